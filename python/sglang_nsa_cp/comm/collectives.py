@@ -1,0 +1,114 @@
+"""CP collectives over a torch.distributed group: the same code on gloo (CPU) and NCCL (GPU).
+
+- `all_gather_rows`: equal-size all-gather of each rank's rows, padded to a common count. It
+  carries owned KV pages for materialize (the original design's shared-KV all-gather).
+- `all_gather_rerange`: all-gather of each rank's tokens, back in flat-batch (logical) order
+  (the original design's `cp_all_gather_rerange_output`).
+- `gather_last_token_hidden`: the narrow tail gather (the original `cp_collect_last_token_hidden`):
+  N x bs x hidden elements instead of total_tokens x hidden.
+
+Every call adds the bytes it gathers (the full gathered result, i.e. N times one rank's
+contribution) to an optional `TrafficCounter` under a kind name, so tests and benchmarks can
+state traffic exactly. float8 tensors travel as uint8 views (gloo has no float8).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from sglang_nsa_cp.layout.split import SplitPlan
+
+# torch 2.13 renamed all_gather_into_tensor; the GPU nodes' torch may predate the new name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
+
+
+class TrafficCounter:
+    """Bytes gathered and calls issued, per collective kind."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.bytes[kind] += nbytes
+        self.calls[kind] += 1
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {k: {"bytes": self.bytes[k], "calls": self.calls[k]} for k in sorted(self.bytes)}
+
+
+def _wire_view(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype in _FLOAT8 else t
+
+
+def all_gather_rows(
+    local: torch.Tensor,
+    rows_per_rank: int,
+    group: dist.ProcessGroup,
+    counter: TrafficCounter | None = None,
+    kind: str = "rows",
+) -> torch.Tensor:
+    """Gather every rank's `local` rows, each padded to `rows_per_rank`, rank-major.
+
+    Returns [world * rows_per_rank, ...]; rank r's row j is at r * rows_per_rank + j. Padding
+    rows hold unspecified values.
+    """
+    if local.shape[0] > rows_per_rank:
+        raise ValueError(f"{local.shape[0]} local rows exceed rows_per_rank={rows_per_rank}")
+    world = dist.get_world_size(group)
+    send = local
+    if local.shape[0] != rows_per_rank or not local.is_contiguous():
+        send = local.new_empty((rows_per_rank, *local.shape[1:]))
+        send[: local.shape[0]] = local
+    out = local.new_empty((world * rows_per_rank, *local.shape[1:]))
+    _all_gather_single(_wire_view(out), _wire_view(send), group=group)
+    if counter is not None:
+        counter.add(kind, out.numel() * out.element_size())
+    return out
+
+
+def all_gather_rerange(
+    local: torch.Tensor,
+    plan: SplitPlan,
+    group: dist.ProcessGroup,
+    counter: TrafficCounter | None = None,
+    kind: str = "current",
+) -> torch.Tensor:
+    """All-gather every rank's local tokens and return them in flat-batch order [num_tokens, ...]."""
+    gathered = all_gather_rows(local, plan.max_count, group, counter, kind)
+    return gathered.index_select(0, plan.device_tensor("rerange_index", local.device))
+
+
+def gather_last_token_hidden(
+    local_hidden: torch.Tensor,
+    plan: SplitPlan,
+    rank: int,
+    group: dist.ProcessGroup,
+    counter: TrafficCounter | None = None,
+) -> torch.Tensor:
+    """Each request's last-token hidden state, in request order [bs, hidden], on every rank.
+
+    Every rank contributes one row per request (its own last-token row where it computed that
+    token, an arbitrary row elsewhere); the owner's row is picked after the gather.
+    """
+    device = local_hidden.device
+    rows = plan.device_tensor("last_token_local_rows", device, rank).clamp_min(0)
+    if local_hidden.shape[0] == 0:  # a rank with no tokens still joins the collective
+        local_hidden = local_hidden.new_zeros((1, *local_hidden.shape[1:]))
+    narrow = local_hidden.index_select(0, rows)
+    gathered = all_gather_rows(narrow, plan.batch_size, group, counter, "tail_narrow")
+    return gathered.index_select(0, plan.device_tensor("last_token_gather_index", device))
+
+
+def gather_full_hidden(
+    local_hidden: torch.Tensor,
+    plan: SplitPlan,
+    group: dist.ProcessGroup,
+    counter: TrafficCounter | None = None,
+) -> torch.Tensor:
+    """Every token's hidden state in flat-batch order: today's tail gather, for input logprobs."""
+    return all_gather_rerange(local_hidden, plan, group, counter, "tail_full")

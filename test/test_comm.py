@@ -1,0 +1,98 @@
+"""CP collectives on gloo with 2, 3 and 4 processes: all-gather-rerange with uneven counts, the
+narrow tail gather, owned-row gathers, byte counters; and a failing rank is reported, not hung."""
+
+import random
+
+import pytest
+import torch
+
+from sglang_nsa_cp.comm import (
+    RankFailure,
+    TrafficCounter,
+    all_gather_rerange,
+    all_gather_rows,
+    gather_full_hidden,
+    gather_last_token_hidden,
+    run_ranks,
+)
+from sglang_nsa_cp.layout import plan_split
+
+HIDDEN = 8
+
+
+def _random_batches(cp_size, seed, count=6):
+    rng = random.Random(seed)
+    for i in range(count):
+        bs = rng.randint(1, 4)
+        extend = [rng.randint(1, 300) for _ in range(bs)]
+        prefix = [rng.randint(0, 100) for _ in range(bs)]
+        mode = ("zigzag", "page_zigzag", "interleave")[i % 3]
+        yield plan_split(extend, prefix, cp_size, mode, rng.choice([1, 16, 64]))
+
+
+def _logical_tensor(plan, dtype):
+    """A value per flat token that every rank can compute: the token index, row-broadcast."""
+    return torch.arange(plan.num_tokens).to(torch.float32)[:, None].expand(-1, HIDDEN).to(dtype).contiguous()
+
+
+def _check_collectives(rank, world, group, seed):
+    report = []
+    for plan in _random_batches(world, seed):
+        for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+            full = _logical_tensor(plan, dtype)
+            local = full[plan.token_indices(rank)]
+            gathered = all_gather_rerange(local, plan, group)
+            assert torch.equal(gathered.view(torch.uint8), full.view(torch.uint8)), (plan.extend_lens, dtype)
+
+        counter = TrafficCounter()
+        full = _logical_tensor(plan, torch.float32)
+        local = full[plan.token_indices(rank)]
+        last = gather_last_token_hidden(local, plan, rank, group, counter)
+        ends = torch.cumsum(torch.tensor(plan.extend_lens), 0) - 1
+        assert torch.equal(last, full[ends])
+        assert torch.equal(gather_full_hidden(local, plan, group, counter), full)
+        report.append(
+            {
+                "bs": plan.batch_size,
+                "num_tokens": plan.num_tokens,
+                "max_count": plan.max_count,
+                "traffic": counter.as_dict(),
+            }
+        )
+
+    # Owned-row gather: each rank contributes a different number of rows, padded to a bound.
+    rows = torch.full((rank + 1, 3), rank, dtype=torch.uint8)
+    out = all_gather_rows(rows, world, group)
+    for r in range(world):
+        assert torch.equal(out[r * world : r * world + r + 1], torch.full((r + 1, 3), r, dtype=torch.uint8))
+    return report
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_collectives_on_gloo(world):
+    reports = run_ranks(_check_collectives, world, args=(world,), timeout_s=120)
+    # Byte counters: the narrow tail moves N x bs x hidden elements, the full tail
+    # N x max_count x hidden (>= total_tokens x hidden).
+    for report in reports[0]:
+        narrow = report["traffic"]["tail_narrow"]["bytes"]
+        full = report["traffic"]["tail_full"]["bytes"]
+        assert narrow == world * report["bs"] * HIDDEN * 4
+        assert full == world * report["max_count"] * HIDDEN * 4
+        assert full >= report["num_tokens"] * HIDDEN * 4
+    assert reports[0] == reports[-1]  # every rank counts the same traffic
+
+
+def _fail_on_rank_one(rank, world, group):
+    if rank == 1:
+        raise ValueError("boom on rank one")
+    torch.distributed.barrier(group)  # the survivors block here until torn down
+
+
+def test_a_failing_rank_is_named_instead_of_hanging():
+    with pytest.raises(RankFailure, match=r"rank 1 failed:[\s\S]*boom on rank one"):
+        run_ranks(_fail_on_rank_one, 3, timeout_s=60)
+
+
+def test_rows_beyond_the_bound_are_refused():
+    with pytest.raises(ValueError, match="exceed rows_per_rank"):
+        all_gather_rows(torch.zeros(3, 2), 2, group=None)
