@@ -138,7 +138,7 @@ class RankResult:
     shard: torch.Tensor  # shard_hidden_states(arange(1, T+1)): token+1, 0 = padding
     positions: torch.Tensor  # shard_position_ids(positions), padded
     tokens: torch.Tensor  # flat token indices, padding stripped by per_rank_logical_token
-    local_q_indices: torch.Tensor
+    local_q_indices: torch.Tensor | None  # None: SGLang's local_q_indices raised (see below)
 
 
 @dataclass
@@ -208,6 +208,14 @@ def sglang_split(
                 physical = meta.per_rank_actual_token[rank]
                 assert shard.shape[0] == physical, (shard.shape, physical)
                 assert torch.all(shard[logical:] == 0), "padding rows are not zero"
+                try:
+                    q_idx = strategy.local_q_indices(num_tokens, fb)
+                except RuntimeError:
+                    # interleave's torch.arange(rank, T, N) raises for rank > T, which only a
+                    # batch with fewer tokens than ranks (rejected by can_apply) reaches
+                    if active:
+                        raise
+                    q_idx = None
                 ranks.append(
                     RankResult(
                         metadata=meta,
@@ -215,7 +223,7 @@ def sglang_split(
                         shard=shard,
                         positions=pos,
                         tokens=shard[:logical] - 1,
-                        local_q_indices=strategy.local_q_indices(num_tokens, fb),
+                        local_q_indices=q_idx,
                     )
                 )
     return SGLangSplit(mode, cp_size, extend_lens, prefix_lens, ranks)

@@ -55,7 +55,9 @@ class DSAConfig:
                 f"{INDEX_HEAD_DIM} fp8 bytes per token), got {self.index_head_dim}"
             )
         if self.qk_rope_head_dim % 2:
-            raise ValueError(f"DSAConfig.qk_rope_head_dim must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
+            raise ValueError(
+                f"DSAConfig.qk_rope_head_dim must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}"
+            )
         if self.qk_rope_head_dim > self.index_head_dim:
             raise ValueError(
                 f"DSAConfig.qk_rope_head_dim={self.qk_rope_head_dim} must be <= index_head_dim="
