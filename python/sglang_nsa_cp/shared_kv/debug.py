@@ -1,0 +1,35 @@
+"""Ownership and coverage checks, on when SGLANG_NSA_CP_DEBUG=1.
+
+They synchronise with the device and issue extra collectives, so they are for diagnosing, never
+for measuring. When off, callers test one module attribute and nothing else runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+ENABLED = os.environ.get("SGLANG_NSA_CP_DEBUG", "0") not in ("", "0", "false", "False")
+
+
+class CoverageError(AssertionError):
+    """A page or slot without exactly one owner, or history with no source."""
+
+
+def check_layout(layout, hist_dense_pages: torch.Tensor) -> None:
+    """Every history page of the batch must come from some rank's shard."""
+    missing = hist_dense_pages[layout.dense_page_src[hist_dense_pages] < 0]
+    if missing.numel():
+        raise CoverageError(f"dense pages {missing[:8].tolist()} hold history but have no owner page to gather")
+
+
+def check_write_coverage(store, slots: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Across the group, every slot written must be owned by exactly one rank."""
+    owned = store.owns(slots).to(torch.int64)
+    dist.all_reduce(owned, group=group)
+    bad = (owned != 1).nonzero().flatten()
+    if bad.numel():
+        shown = [(int(i), int(slots[i]), int(owned[i])) for i in bad[:8]]
+        raise CoverageError(f"slots (index, slot, owners) without exactly one owner: {shown}")

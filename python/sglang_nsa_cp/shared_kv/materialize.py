@@ -1,0 +1,182 @@
+"""Materialize: rebuild, for one layer, the dense KV view the attention and indexer kernels read.
+
+The dense view holds every page of every request in the batch, request by request, so a
+request's position p lives at dense row `req_rows[i, p]` (the page table handed to kernels is
+rewritten to these rows). It is filled in two steps:
+
+1. history (the cached prefix): each rank packs the history pages it owns into a send buffer,
+   one all-gather of owned pages (never an all-reduce of zero-filled buffers, which moves twice
+   the bytes) brings all of them to every rank, and a page scatter puts each at its dense page;
+2. current (this chunk's tokens, already all-gathered for attention) is written at its rows,
+   after history, so a prefix page that ends mid-page gets its new tokens from the chunk.
+
+A batch without history skips both (current reuse): the gathered current tensor already is the
+dense view, in flat-batch order. The choice comes from prefix lengths every rank shares.
+
+`DenseLayout` (the slot remap) depends on the batch, not the layer: built once per batch, used by
+every layer, so the per-layer path issues no host reads and builds no host tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from sglang_nsa_cp import kernels
+from sglang_nsa_cp.comm import TrafficCounter, all_gather_rows
+from sglang_nsa_cp.shared_kv import debug
+from sglang_nsa_cp.shared_kv.store import KVStore
+
+
+@dataclass(frozen=True)
+class DenseLayout:
+    """Per-batch remap from owners' shards and the current chunk to the dense view."""
+
+    current_reuse: bool
+    page_size: int
+    req_rows: torch.Tensor  # [bs, max_seq_len] dense row of each (request, position)
+    current_rows: torch.Tensor  # [num_tokens] dense row of each flat-batch current token
+    num_dense_pages: int
+    send_pages: torch.Tensor  # [pages_per_rank] this rank's local pages to send, -1 padding
+    pages_per_rank: int
+    dense_page_src: torch.Tensor  # [num_dense_pages] row in the gathered pages, -1: no history
+
+    @property
+    def num_dense_rows(self) -> int:
+        return self.num_dense_pages * self.page_size
+
+
+def build_dense_layout(
+    page_table: torch.Tensor,
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    page_size: int,
+    cp_size: int,
+    rank: int,
+) -> DenseLayout:
+    """The batch's slot remap, computed on `page_table`'s device.
+
+    `page_table[i, k]` is request i's k-th logical page id (SGLang's req_to_token[:, ::ps] // ps).
+    Lengths are host lists, as SGLang keeps them. One host read per batch sizes the page
+    all-gather (the largest number of history pages one rank owns).
+    """
+    device = page_table.device
+    bs = len(extend_lens)
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    starts = torch.tensor([0] + extend_lens[:-1]).cumsum(0).tolist()
+    max_len = max(seq_lens)
+    pos = torch.arange(max_len)
+
+    if not any(prefix_lens):
+        req_rows = torch.full((bs, max_len), -1, dtype=torch.long)
+        for i, n in enumerate(seq_lens):
+            req_rows[i, :n] = starts[i] + pos[:n]
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        return DenseLayout(
+            current_reuse=True,
+            page_size=page_size,
+            req_rows=req_rows.to(device),
+            current_rows=torch.arange(sum(extend_lens), device=device),
+            num_dense_pages=0,
+            send_pages=empty,
+            pages_per_rank=0,
+            dense_page_src=empty,
+        )
+
+    # Dense pages: each request's pages, request after request (host math on lengths only).
+    pages_per_req = [-(-n // page_size) for n in seq_lens]
+    page_offset = torch.tensor([0] + pages_per_req[:-1]).cumsum(0)
+    req_rows = torch.full((bs, max_len), -1, dtype=torch.long)
+    current_rows = []
+    for i, (n, p) in enumerate(zip(seq_lens, prefix_lens)):
+        rows = (page_offset[i] + pos[:n] // page_size) * page_size + pos[:n] % page_size
+        req_rows[i, :n] = rows
+        current_rows.append(rows[p:])
+    num_dense_pages = sum(pages_per_req)
+
+    # History pages, deduplicated (requests may share a cached prefix), grouped by owner.
+    hist_counts = [-(-p // page_size) for p in prefix_lens]
+    flat_cols = torch.cat([i * page_table.shape[1] + torch.arange(c) for i, c in enumerate(hist_counts)])
+    hist_dense = torch.cat([page_offset[i] + torch.arange(c) for i, c in enumerate(hist_counts)]).to(device)
+    hist_pages = page_table.reshape(-1)[flat_cols.to(device)]
+    unique_pages, inverse = torch.unique(hist_pages, sorted=True, return_inverse=True)
+    owner = unique_pages % cp_size
+    order = torch.argsort(owner * (unique_pages.max() + 1) + unique_pages)
+    per_owner = torch.bincount(owner, minlength=cp_size)
+    pages_per_rank = int(per_owner.max())  # the one host read of the batch
+    group_start = torch.cumsum(per_owner, 0) - per_owner
+    slot_in_owner = torch.empty_like(order)
+    slot_in_owner[order] = torch.arange(order.numel(), device=device) - group_start[owner[order]]
+    gathered_row = owner * pages_per_rank + slot_in_owner
+
+    send = torch.full((pages_per_rank + 1,), -1, dtype=torch.long, device=device)
+    target = torch.where(owner == rank, slot_in_owner, torch.full_like(slot_in_owner, pages_per_rank))
+    send.scatter_(0, target, torch.where(owner == rank, unique_pages // cp_size, -1))
+    dense_page_src = torch.full((num_dense_pages,), -1, dtype=torch.long, device=device)
+    dense_page_src[hist_dense] = gathered_row[inverse]
+
+    layout = DenseLayout(
+        current_reuse=False,
+        page_size=page_size,
+        req_rows=req_rows.to(device),
+        current_rows=torch.cat(current_rows).to(device),
+        num_dense_pages=num_dense_pages,
+        send_pages=send[:pages_per_rank],
+        pages_per_rank=pages_per_rank,
+        dense_page_src=dense_page_src,
+    )
+    if debug.ENABLED:
+        debug.check_layout(layout, hist_dense)
+    return layout
+
+
+def _gather_history_pages(
+    pages: torch.Tensor, layout: DenseLayout, group: dist.ProcessGroup, counter: TrafficCounter | None, kind: str
+) -> torch.Tensor:
+    """Owned history pages of every rank into their dense pages: pack, one all-gather, scatter."""
+    send = kernels.gather_rows(pages, layout.send_pages, pages.new_empty((layout.pages_per_rank, pages.shape[1])))
+    gathered = all_gather_rows(send, layout.pages_per_rank, group, counter, kind)
+    dense = pages.new_empty((layout.num_dense_pages, pages.shape[1]))
+    return kernels.gather_rows(gathered, layout.dense_page_src, dense)
+
+
+def materialize_latent(
+    store: KVStore,
+    layer: int,
+    layout: DenseLayout,
+    current: torch.Tensor,
+    group: dist.ProcessGroup,
+    counter: TrafficCounter | None = None,
+) -> torch.Tensor:
+    """Dense latent rows for `layer` [num_dense_rows, row] in the store's row format.
+
+    `current` is the chunk's latent in flat-batch order, already in the store's row format
+    (quantized with `kernels.quantize_mla_fp8` for the fp8 layout).
+    """
+    if layout.current_reuse:
+        return current
+    row_width = store.latent[layer].shape[1]
+    dense = _gather_history_pages(store.page_rows(layer), layout, group, counter, "materialize_latent")
+    dense = dense.view(layout.num_dense_rows, row_width)
+    return kernels.scatter_rows(dense, layout.current_rows, current)
+
+
+def materialize_index(
+    store: KVStore,
+    layer: int,
+    layout: DenseLayout,
+    current_key: torch.Tensor,
+    current_scale: torch.Tensor,
+    group: dist.ProcessGroup,
+    counter: TrafficCounter | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Dense index-K pages for `layer` [num_dense_pages, page_size * 132] (SGLang's page layout).
+
+    Under current reuse there are no pages to rebuild: returns the chunk's (key, scale) as is.
+    """
+    if layout.current_reuse:
+        return current_key, current_scale
+    dense = _gather_history_pages(store.index[layer], layout, group, counter, "materialize_index")
+    return kernels.store_owned_index_k(dense, layout.current_rows, current_key, current_scale, 0, 1, layout.page_size)

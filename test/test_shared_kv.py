@@ -1,0 +1,183 @@
+"""The shared KV core: owner-classed allocation, the sharded store, direct write, materialize and
+current reuse. The oracle is the replicated store (today's SGLang pool) fed the same writes: every
+materialized view must equal it bit for bit at every logical slot of the batch."""
+
+import random
+
+import pytest
+import torch
+
+from sglang_nsa_cp import kernels
+from sglang_nsa_cp.comm import all_gather_rerange, run_ranks
+from sglang_nsa_cp.layout import OutOfPages, OwnerClassedAllocator, RequestPageTable, page_owner
+from sglang_nsa_cp.shared_kv import KVStore, KVStoreError, build_dense_layout, materialize_index, materialize_latent
+from sglang_nsa_cp.shared_kv import debug
+
+LAYERS = 2
+
+
+def _chunks(seed):
+    """Three chunks of a chunked prefill: new requests, continuations (prefixes ending mid-page),
+    and a radix-cache hit that shares a page-aligned prefix of another request."""
+    rng = random.Random(seed)
+    return [
+        [("a", rng.randint(40, 300)), ("b", rng.randint(1, 90)), ("c", rng.randint(1, 5))],
+        [("a", rng.randint(1, 200)), ("b", rng.randint(100, 400)), ("d", rng.randint(20, 60))],
+        [("a", rng.randint(1, 70)), ("c", rng.randint(50, 300)), ("e", rng.randint(1, 40))],
+    ]
+
+
+def _logical_kv(num_tokens, latent_dim, dtype, seed):
+    """Random KV every rank can regenerate: what the model would produce for the chunk."""
+    g = torch.Generator().manual_seed(seed)
+    latent = torch.randn(num_tokens, latent_dim, generator=g).to(dtype)
+    key = torch.randint(0, 256, (num_tokens, 128), generator=g, dtype=torch.uint8)
+    scale = torch.rand(num_tokens, generator=g) + 0.5
+    return latent, key, scale
+
+
+def _store_pair(rank, world, fp8, page_size, num_pages, latent_dim):
+    kw = dict(num_layers=LAYERS, num_pages=num_pages, page_size=page_size, latent_dim=latent_dim, fp8_latent=fp8)
+    return KVStore(cp_size=world, rank=rank, slack_pages=4, **kw), KVStore.replicated(**kw)
+
+
+def _check_all_layouts(rank, world, group, mode):
+    return [
+        _check_materialize_matches_replicated(rank, world, group, mode, page_size, fp8, world * 7 + page_size + fp8)
+        for page_size, fp8 in ((16, False), (64, True), (16, True), (64, False))
+    ]
+
+
+def _check_materialize_matches_replicated(rank, world, group, mode, page_size, fp8, seed):
+    debug.ENABLED = True  # ownership and coverage checked on every call in this test
+    latent_dim = 576 if fp8 else 48
+    num_pages = 96 * world
+    table = RequestPageTable(OwnerClassedAllocator(num_pages, world), page_size)
+    shared, replicated = _store_pair(rank, world, fp8, page_size, num_pages, latent_dim)
+    stats = []
+    for c, chunk in enumerate(_chunks(seed)):
+        if c == 2:  # request "f" hits the radix cache on a's first whole pages
+            table.fork("f", "a", (table.prefix_len("a") // page_size) * page_size)
+            chunk = chunk + [("f", 7)]
+        keys = [k for k, _ in chunk]
+        plan, batch = table.schedule(keys, [n for _, n in chunk], mode)
+        shared.check_slots(batch.out_cache_loc)
+        layout = build_dense_layout(batch.page_table(), batch.prefix_lens, batch.extend_lens, page_size, world, rank)
+        assert layout.current_reuse == (c == 0)
+        mine = plan.token_indices(rank)
+        for layer in range(LAYERS):
+            latent, key, scale = _logical_kv(plan.num_tokens, latent_dim, torch.bfloat16, seed * 100 + c * 10 + layer)
+            gathered = all_gather_rerange(latent[mine], plan, group)
+            assert torch.equal(gathered, latent)
+            if plan.page_aligned:  # compute-owner pages: each rank writes only what it computed
+                shared.write(layer, batch.out_cache_loc[mine], latent[mine], key[mine], scale[mine])
+            else:  # pages mix ranks' tokens: owners write from the gathered chunk
+                shared.write(layer, batch.out_cache_loc, gathered, key, scale)
+            debug.check_write_coverage(shared, batch.out_cache_loc, group)
+            replicated.write(layer, batch.out_cache_loc, latent, key, scale)
+
+            current = kernels.quantize_mla_fp8(gathered) if fp8 else gathered
+            dense = materialize_latent(shared, layer, layout, current, group)
+            dense_index = materialize_index(shared, layer, layout, key, scale, group)
+
+            # Oracle: the replicated pool at every logical slot of every request.
+            slots = batch.req_to_token()
+            valid = slots >= 0
+            want = replicated.latent[layer][slots[valid]]
+            got = dense[layout.req_rows[valid]]
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (c, layer)
+            want_key, want_scale = kernels.read_index_k(replicated.index[layer], slots[valid], page_size)
+            if layout.current_reuse:
+                got_key, got_scale = dense_index[0][layout.req_rows[valid]], dense_index[1][layout.req_rows[valid]]
+            else:
+                got_key, got_scale = kernels.read_index_k(dense_index, layout.req_rows[valid], page_size)
+            assert torch.equal(got_key, want_key) and torch.equal(got_scale, want_scale), (c, layer)
+        stats.append({"page_aligned": plan.page_aligned})
+    used = {p for pages in table.pages.values() for p in pages}
+    owned = sum(1 for p in used if page_owner(p, world) == rank)
+    return {"chunks": stats, "owned_pages": owned, "used_pages": len(used), "requests": len(table.pages)}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("mode", ["page_zigzag", "interleave"])
+def test_materialized_views_equal_the_replicated_pool(world, mode):
+    per_rank = run_ranks(_check_all_layouts, world, args=(mode,), timeout_s=240)
+    for results in zip(*per_rank):  # one entry per (page size, layout), across ranks
+        assert all(r["used_pages"] == results[0]["used_pages"] for r in results)
+        assert sum(r["owned_pages"] for r in results) == results[0]["used_pages"]
+
+
+def test_page_zigzag_allocation_makes_the_computing_rank_the_owner():
+    table = RequestPageTable(OwnerClassedAllocator(4096, 4), page_size=16)
+    for chunk in ([("x", 1000), ("y", 530)], [("x", 333), ("y", 700), ("z", 2000)]):
+        plan, batch = table.schedule([k for k, _ in chunk], [n for _, n in chunk], "page_zigzag")
+        assert plan.page_aligned
+        for rank in range(4):
+            slots = batch.out_cache_loc[plan.token_indices(rank)]
+            assert set(page_owner(slots // 16, 4).tolist()) <= {rank}
+    pages = [p for ps in table.pages.values() for p in ps]
+    assert len(pages) == len(set(pages))  # one owner each: a page id is held once
+
+
+def test_rotation_keeps_each_rank_within_one_page_of_its_share():
+    table = RequestPageTable(OwnerClassedAllocator(4096, 4), page_size=16)
+    for keys_lens in ([("p", 17), ("q", 300)], [("p", 500), ("r", 64)], [("q", 3), ("p", 90)]):
+        table.schedule([k for k, _ in keys_lens], [n for _, n in keys_lens], "interleave")
+    for pages in table.pages.values():
+        share = [sum(1 for p in pages if page_owner(p, 4) == r) for r in range(4)]
+        assert max(share) - min(share) <= 1, share
+
+
+def test_persistent_bytes_per_rank_shared_vs_replicated():
+    world, page_size = 4, 64
+    table = RequestPageTable(OwnerClassedAllocator(1024, world), page_size)
+    table.schedule(["a", "b", "c"], [5000, 3000, 700], "page_zigzag")
+    table.schedule(["a", "b", "c"], [40, 1200, 3], "interleave")
+    kw = dict(num_layers=LAYERS, num_pages=1024, page_size=page_size, latent_dim=576, fp8_latent=True)
+    replicated = KVStore.replicated(**kw)
+    page_bytes = replicated.nbytes() // 1024
+    used = [p for pages in table.pages.values() for p in pages]
+    replicated_bytes = len(used) * page_bytes
+    bs = len(table.pages)
+    for rank in range(world):
+        shared_bytes = sum(1 for p in used if page_owner(p, world) == rank) * page_bytes
+        print(f"rank {rank}: shared {shared_bytes} B, replicated {replicated_bytes} B")
+        assert shared_bytes <= replicated_bytes / world + bs * page_bytes
+        pool = KVStore(cp_size=world, rank=rank, **kw)
+        assert pool.nbytes() <= replicated.nbytes() / world + page_bytes
+
+
+def test_allocator_reuses_freed_pages_and_keeps_shared_prefix_owners():
+    table = RequestPageTable(OwnerClassedAllocator(64, 4), page_size=16)
+    table.schedule(["a"], [160], "page_zigzag")
+    a_pages = list(table.pages["a"])
+    table.fork("b", "a", 64)
+    assert table.pages["b"] == a_pages[:4]
+    table.release("a")  # b still holds a's first four pages
+    assert table.allocator.free_pages() == 64 - 4
+    table.release("b")
+    assert table.allocator.free_pages() == 64
+    with pytest.raises(OutOfPages, match="only 64 are free"):
+        table.schedule(["big"], [16 * 65], "interleave")
+
+
+def test_bad_slots_are_named_and_leave_the_store_unchanged():
+    store = KVStore(num_layers=1, num_pages=8, page_size=16, cp_size=2, rank=0, latent_dim=8)
+    before = store.latent[0].clone()
+    with pytest.raises(KVStoreError, match=r"outside the pool of 128 slots.*\(1, 128\).*\(2, -5\)"):
+        store.check_slots(torch.tensor([3, 128, -5]))
+    with pytest.raises(KVStoreError, match=r"\(0, 9\)\] have no owner"):
+        store.check_pages(torch.tensor([9, 1]))
+    assert torch.equal(store.latent[0], before)
+
+
+def test_shared_prefix_must_end_on_a_page_boundary():
+    table = RequestPageTable(OwnerClassedAllocator(64, 2), page_size=16)
+    table.schedule(["a"], [40], "interleave")
+    with pytest.raises(ValueError, match="must end on a page boundary; 20"):
+        table.fork("b", "a", 20)
+
+
+def test_fp8_store_needs_the_flashmla_row_width():
+    with pytest.raises(KVStoreError, match="needs latent_dim 576"):
+        KVStore(num_layers=1, num_pages=8, page_size=16, cp_size=2, rank=0, latent_dim=64, fp8_latent=True)
