@@ -8,6 +8,7 @@ the others blocked in a collective.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -43,7 +44,9 @@ def _worker(rank, world_size, port, backend, timeout_s, fn, args, results):
         if backend == "nccl":
             torch.cuda.set_device(rank)
         out = fn(rank, world_size, dist.group.WORLD, *args)
-        results.put((rank, "ok", out))
+        # Plain pickle copies tensors by value; the queue's own pickler would share their memory
+        # through file descriptors that die with this process.
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # report everything, including KeyboardInterrupt in a child
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -96,7 +99,7 @@ def run_ranks(
                 for r in dead:
                     outcomes[r] = ("error", f"process exited with code {procs[r].exitcode}")
                 continue
-            outcomes[rank] = (status, value)
+            outcomes[rank] = (status, pickle.loads(value) if status == "ok" else value)
             if status == "error":
                 stopped_early = True
                 break  # the others are likely blocked in a collective; stop waiting for them

@@ -1,0 +1,118 @@
+"""The two CP prefill paths of the reference model, as KV contexts plus a prefill driver.
+
+- Replicated CP (today's SGLang): every layer all-gathers the chunk's KV, every rank writes all
+  of it into its full pool, and the tail gathers every token's hidden state.
+- Shared-KV CP (this project): every layer all-gathers the chunk's KV (attention needs it), each
+  rank persists only the pages it owns (direct write of what it computed when the split is
+  page-aligned, otherwise its owned rows of the gathered chunk), the dense view is materialized
+  from the owners (or is the gathered chunk itself under current reuse), and the tail gathers
+  only each request's last token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from sglang_nsa_cp import kernels
+from sglang_nsa_cp.comm import TrafficCounter, all_gather_rerange, gather_full_hidden, gather_last_token_hidden
+from sglang_nsa_cp.layout import ExtendBatch, SplitPlan
+from sglang_nsa_cp.reference.model import DenseKV, DSAModel
+from sglang_nsa_cp.shared_kv import DenseLayout, KVStore, build_dense_layout, materialize_index, materialize_latent
+
+
+@dataclass
+class _CPBatch:
+    plan: SplitPlan
+    batch: ExtendBatch
+    rank: int
+    group: dist.ProcessGroup
+    counter: TrafficCounter | None
+
+    def gather_current(self, latent, index_key, index_scale):
+        """The chunk's fresh KV of every rank, in flat-batch order."""
+        g = lambda t, kind: all_gather_rerange(t, self.plan, self.group, self.counter, kind)  # noqa: E731
+        return g(latent, "current_latent"), g(index_key, "current_index"), g(index_scale, "current_index")
+
+
+class ReplicatedCPKV(_CPBatch):
+    """Today's behaviour: a full pool on every rank, written with every token of the chunk."""
+
+    def __init__(self, store: KVStore, plan, batch, rank, group, counter=None):
+        super().__init__(plan, batch, rank, group, counter)
+        store.check_slots(batch.out_cache_loc)
+        self.store = store
+        self.req_rows = batch.req_to_token().to(store.latent[0].device)
+
+    def layer_kv(self, layer_id, latent, index_key, index_scale) -> DenseKV:
+        latent, index_key, index_scale = self.gather_current(latent, index_key, index_scale)
+        self.store.write(layer_id, self.batch.out_cache_loc.to(latent.device), latent, index_key, index_scale)
+        pages = self.store.index[layer_id]
+        key, scale = kernels.read_index_k(pages, torch.arange(self.store.num_slots, device=pages.device), self.store.page_size)
+        return DenseKV(self.store.latent[layer_id], key, scale, self.req_rows)
+
+
+class SharedCPKV(_CPBatch):
+    """The shared KV cache: owned pages persisted, the dense view rebuilt per layer."""
+
+    def __init__(self, store: KVStore, plan, batch, rank, group, counter=None):
+        super().__init__(plan, batch, rank, group, counter)
+        device = store.latent[0].device
+        store.check_slots(batch.out_cache_loc)
+        self.store = store
+        self.slots = batch.out_cache_loc.to(device)
+        self.local_slots = self.slots[plan.device_tensor("token_indices", device, rank)]
+        self.layout: DenseLayout = build_dense_layout(
+            batch.page_table().to(device), batch.prefix_lens, batch.extend_lens, store.page_size, store.cp_size, rank
+        )
+
+    def layer_kv(self, layer_id, latent, index_key, index_scale) -> DenseKV:
+        if self.plan.page_aligned:  # compute-owner pages: write what this rank computed, no exchange
+            self.store.write(layer_id, self.local_slots, latent, index_key, index_scale)
+        latent, index_key, index_scale = self.gather_current(latent, index_key, index_scale)
+        if not self.plan.page_aligned:
+            self.store.write(layer_id, self.slots, latent, index_key, index_scale)
+        layout = self.layout
+        dense_latent = materialize_latent(self.store, layer_id, layout, latent, self.group, self.counter)
+        dense_index = materialize_index(self.store, layer_id, layout, index_key, index_scale, self.group, self.counter)
+        if layout.current_reuse:
+            key, scale = dense_index
+        else:
+            rows = torch.arange(layout.num_dense_rows, device=dense_latent.device)
+            key, scale = kernels.read_index_k(dense_index, rows, layout.page_size)
+        return DenseKV(dense_latent, key, scale, layout.req_rows)
+
+
+@torch.no_grad()
+def prefill_cp(
+    model: DSAModel,
+    input_ids: torch.Tensor,
+    kv: _CPBatch,
+    narrow_tail: bool,
+    return_topk: bool = False,
+):
+    """This rank's share of a CP prefill; logits of each request's last token [bs, vocab].
+
+    `input_ids` are the whole batch's new tokens in flat order (every rank has them, as SGLang's
+    ForwardBatch does). `narrow_tail` gathers only last-token hidden states.
+    """
+    plan, rank = kv.plan, kv.rank
+    device = input_ids.device
+    mine = plan.device_tensor("token_indices", device, rank)
+    out = model(
+        input_ids[mine],
+        plan.device_tensor("positions", device, rank),
+        plan.device_tensor("request_ids", device, rank),
+        kv,
+        return_topk=return_topk,
+    )
+    hidden, topk = out if return_topk else (out, None)
+    if narrow_tail:
+        last = gather_last_token_hidden(hidden, plan, rank, kv.group, kv.counter)
+    else:
+        full = gather_full_hidden(hidden, plan, kv.group, kv.counter)
+        last = full[torch.tensor(plan.extend_lens, device=device).cumsum(0) - 1]
+    logits = model.logits(last)
+    return (logits, topk) if return_topk else logits
