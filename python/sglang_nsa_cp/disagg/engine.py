@@ -1,0 +1,82 @@
+"""A thin wrapper over mooncake.engine.TransferEngine: initialize, register, batched write.
+
+Tests and CPU CI use protocol "tcp" with the "P2PHANDSHAKE" metadata mode (no metadata server:
+a peer's session id "<host>:<rpc_port>" is enough to reach it). Production uses "rdma" with the
+NIC names in `device_name`, the same call SGLang's MooncakeTransferEngine makes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from sglang_nsa_cp.disagg.plan import TransferBatch
+
+
+class TransferError(RuntimeError):
+    """A Mooncake transfer (or the handshake around it) failed."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    hostname: str = "127.0.0.1"  # address peers use to reach this process
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: str = "tcp"  # "rdma" on GPU nodes
+    device_name: str = ""  # RDMA NICs, e.g. "mlx5_0,mlx5_1"; "" lets Mooncake choose
+    max_batch_entries: int = 0  # split batched writes into at most this many entries; 0: one batch
+
+
+class MooncakeEngine:
+    """One TransferEngine per process; a region must be registered before it is read or written."""
+
+    def __init__(self, config: EngineConfig = EngineConfig()):
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as e:
+            raise ImportError(
+                f"mooncake.engine is not importable ({e}); install mooncake-transfer-engine "
+                "(GPU) or mooncake-transfer-engine-non-cuda (CPU; also apt-get install libibverbs1)"
+            ) from e
+        self.config = config
+        self._engine = TransferEngine()
+        rc = self._engine.initialize(
+            config.hostname, config.metadata_server, config.protocol, config.device_name
+        )
+        if rc != 0:
+            raise TransferError(f"TransferEngine.initialize{config} returned {rc}")
+        self.session_id = f"{config.hostname}:{self._engine.get_rpc_port()}"
+        self._registered: set[int] = set()
+
+    def register(self, regions: Iterable[tuple[int, int]]) -> None:
+        """Register (ptr, nbytes) regions not registered yet."""
+        for ptr, nbytes in regions:
+            if ptr in self._registered:
+                continue
+            rc = self._engine.register_memory(ptr, nbytes)
+            if rc != 0:
+                raise TransferError(f"register_memory(0x{ptr:x}, {nbytes}) returned {rc}")
+            self._registered.add(ptr)
+
+    def unregister(self, ptrs: Iterable[int]) -> None:
+        for ptr in ptrs:
+            if ptr in self._registered:
+                self._engine.unregister_memory(ptr)
+                self._registered.discard(ptr)
+
+    def write(self, session_id: str, batch: TransferBatch) -> int:
+        """Write every entry of `batch` to the peer; returns how many batched calls it took."""
+        step = self.config.max_batch_entries or max(1, len(batch))
+        calls = 0
+        for start in range(0, len(batch), step):
+            end = start + step
+            rc = self._engine.batch_transfer_sync_write(
+                session_id, batch.src_ptrs[start:end], batch.dst_ptrs[start:end],
+                batch.lengths[start:end],
+            )
+            calls += 1
+            if rc != 0:
+                raise TransferError(
+                    f"batch_transfer_sync_write to {session_id} returned {rc} "
+                    f"(entries {start}..{min(end, len(batch)) - 1} of {len(batch)})"
+                )
+        return calls
