@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The demo on the small reference model (the README's first command). Sets up .venv if needed;
+# extra arguments go to `python -m sglang_nsa_cp demo` (see --help).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_cpu.sh >/dev/null
+exec .venv/bin/python -m sglang_nsa_cp demo "$@"
