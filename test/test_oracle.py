@@ -45,11 +45,13 @@ def test_cp_paths_match_the_single_rank(cp_size, split, page_size):
     assert "tail_full" not in shared["bytes_moved"] and "tail_narrow" not in replicated["bytes_moved"]
 
 
-def test_long_prompt_on_page_aligned_zigzag_uses_direct_writes():
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_long_prompt_on_page_aligned_zigzag_uses_direct_writes(prefetch):
     # Long enough for every request to have 2N whole pages: the page-aligned split holds, each
-    # rank writes only what it computed, and history is materialized from the owners.
-    scenario = Scenario([[("a", 300), ("b", 260)], [("a", 290), ("b", 333)]], cp_size=2, page_size=16)
-    report = run_oracle(scenario)
+    # rank writes only what it computed, and history is materialized from the owners, one
+    # layer ahead or in place.
+    chunks = [[("a", 300), ("b", 260)], [("a", 290), ("b", 333)]]
+    report = run_oracle(Scenario(chunks, cp_size=2, page_size=16, prefetch=prefetch))
     assert report["ok"], report["paths"]
     assert report["paths"]["shared"]["bytes_moved"]["materialize_latent"]["calls"] == 3  # one per layer, chunk 2
 

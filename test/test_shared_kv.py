@@ -10,7 +10,14 @@ import torch
 from sglang_nsa_cp import kernels
 from sglang_nsa_cp.comm import all_gather_rerange, run_ranks
 from sglang_nsa_cp.layout import OutOfPages, OwnerClassedAllocator, RequestPageTable, page_owner
-from sglang_nsa_cp.shared_kv import KVStore, KVStoreError, build_dense_layout, materialize_index, materialize_latent
+from sglang_nsa_cp.shared_kv import (
+    HistoryPrefetcher,
+    KVStore,
+    KVStoreError,
+    build_dense_layout,
+    materialize_index,
+    materialize_latent,
+)
 from sglang_nsa_cp.shared_kv import debug
 
 LAYERS = 2
@@ -181,3 +188,46 @@ def test_shared_prefix_must_end_on_a_page_boundary():
 def test_fp8_store_needs_the_flashmla_row_width():
     with pytest.raises(KVStoreError, match="needs latent_dim 576"):
         KVStore(num_layers=1, num_pages=8, page_size=16, cp_size=2, rank=0, latent_dim=64, fp8_latent=True)
+
+
+def _check_prefetch(rank, world, group):
+    """Prefetched views equal in-place materialize, whatever the launch order."""
+    page_size, num_pages = 16, 64 * world
+    table = RequestPageTable(OwnerClassedAllocator(num_pages, world), page_size)
+    store = KVStore(num_layers=4, num_pages=num_pages, page_size=page_size, cp_size=world, rank=rank, latent_dim=24)
+    table.schedule(["a", "b"], [300, 77], "interleave")
+    for layer in range(4):  # history written in an earlier batch
+        latent, key, scale = _logical_kv(377, 24, torch.bfloat16, layer)
+        store.write(layer, torch.cat([table.slots("a"), table.slots("b")]), latent, key, scale)
+    plan, batch = table.schedule(["a", "b"], [40, 9], "interleave")
+    layout = build_dense_layout(batch.page_table(), batch.prefix_lens, batch.extend_lens, page_size, world, rank)
+    latent, key, scale = _logical_kv(plan.num_tokens, 24, torch.bfloat16, 99)
+    rows = layout.req_rows[layout.req_rows >= 0]  # rows past a request's end hold no data
+
+    def view(dense_latent, dense_index):
+        return dense_latent[rows], *kernels.read_index_k(dense_index, rows, page_size)
+
+    want = [
+        view(materialize_latent(store, l, layout, latent, group), materialize_index(store, l, layout, key, scale, group))
+        for l in range(4)
+    ]
+    outcomes = {}
+    for name, kwargs, launch_first in (("ahead", {}, True), ("never launched", {}, False), ("off", {"enabled": False}, True)):
+        pre = HistoryPrefetcher(store, layout, group, **kwargs)
+        if launch_first:
+            pre.launch(0)
+        for l in range(4):
+            got = view(*pre.consume(l, latent, key, scale))
+            assert all(torch.equal(g, w) for g, w in zip(got, want[l])), (name, l)
+        outcomes[name] = (pre.early, pre.scratch_bytes())
+    tiny = HistoryPrefetcher(store, layout, group, min_pages_per_rank=10**6)
+    outcomes["tiny prefix"] = (tiny.early, tiny.scratch_bytes())
+    return outcomes
+
+
+def test_prefetch_gives_the_in_place_views_and_decides_alike_on_every_rank():
+    per_rank = run_ranks(_check_prefetch, 3, timeout_s=120)
+    assert all(r == per_rank[0] for r in per_rank)  # the same decisions everywhere
+    outcome = per_rank[0]
+    assert outcome["ahead"][0] and not outcome["off"][0] and not outcome["tiny prefix"][0]
+    assert outcome["ahead"][1] > 0

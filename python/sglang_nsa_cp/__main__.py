@@ -32,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--config", default="tiny", help="reference model config (tiny, glm5-attn)")
     demo.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    demo.add_argument("--no-prefetch", action="store_true", help="shared path: materialize in place, not one layer ahead")
     demo.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
     return parser
 
@@ -84,6 +85,7 @@ def demo(args: argparse.Namespace) -> int:
             config=args.config,
             seed=args.seed,
             dtype=args.dtype,
+            prefetch=not args.no_prefetch,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

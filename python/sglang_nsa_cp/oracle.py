@@ -35,6 +35,7 @@ class Scenario:
     config: str = "tiny"
     seed: int = 0
     dtype: str = "float32"
+    prefetch: bool = True  # shared path: materialize history one layer ahead
 
     def __post_init__(self):
         if self.split not in _SPLIT_MODES:
@@ -144,7 +145,7 @@ def _run_cp_path(rank, world, group, s: Scenario, model: DSAModel, path: str) ->
     table = RequestPageTable(OwnerClassedAllocator(s.num_pages(), world), s.page_size)
     store_kw = dict(num_layers=cfg.num_layers, num_pages=s.num_pages(), page_size=s.page_size, latent_dim=cfg.latent_dim, latent_dtype=_DTYPES[s.dtype])
     store = KVStore(cp_size=world, rank=rank, **store_kw) if path == "shared" else KVStore.replicated(**store_kw)
-    context = SharedCPKV if path == "shared" else ReplicatedCPKV
+    context = (lambda *a: SharedCPKV(*a, prefetch=s.prefetch)) if path == "shared" else ReplicatedCPKV
     counter = TrafficCounter()
     result = PathResult([], [], {})
     for chunk, ids in zip(s.chunks, s.tokens(cfg.vocab_size)):
@@ -200,7 +201,7 @@ def compare(s: Scenario, single: PathResult, per_rank: list[PathResult]) -> dict
 def run_oracle(s: Scenario, timeout_s: float = 300.0) -> dict:
     """All three paths and the checks; the report the demo prints and the tests assert on."""
     single = run_single(s)
-    report = {"scenario": {"chunks": s.chunks, "cp_size": s.cp_size, "split": s.split, "page_size": s.page_size, "config": s.config, "seed": s.seed, "dtype": s.dtype}}
+    report = {"scenario": {"chunks": s.chunks, "cp_size": s.cp_size, "split": s.split, "page_size": s.page_size, "config": s.config, "seed": s.seed, "dtype": s.dtype, "prefetch": s.prefetch}}
     report["paths"] = {"single": {"seconds": single.seconds, "kv_bytes": single.kv_bytes}}
     ranks = run_ranks(run_cp_rank, s.cp_size, args=(s,), timeout_s=timeout_s)
     for path in PATHS:

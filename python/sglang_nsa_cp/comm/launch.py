@@ -34,6 +34,8 @@ def free_port() -> int:
 def _worker(rank, world_size, port, backend, timeout_s, fn, args, results):
     try:
         torch.set_num_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
             backend,
             init_method=f"tcp://127.0.0.1:{port}",
@@ -41,8 +43,6 @@ def _worker(rank, world_size, port, backend, timeout_s, fn, args, results):
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
         out = fn(rank, world_size, dist.group.WORLD, *args)
         # Plain pickle copies tensors by value; the queue's own pickler would share their memory
         # through file descriptors that die with this process.

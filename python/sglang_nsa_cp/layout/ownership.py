@@ -130,6 +130,12 @@ class RequestPageTable:
     def prefix_len(self, key: Hashable) -> int:
         return self.lengths.get(key, 0)
 
+    def slots(self, key: Hashable) -> torch.Tensor:
+        """Logical slot of every cached position of a request (its req_to_token row)."""
+        pos = torch.arange(self.prefix_len(key))
+        pages = torch.tensor(self.pages[key], dtype=torch.long)
+        return pages[pos // self.page_size] * self.page_size + pos % self.page_size
+
     def first_page_owners(self, keys: Sequence[Hashable]) -> list[int | None]:
         """Owner of the page a request's next token lands on, where that page already exists."""
         owners = []
@@ -180,11 +186,7 @@ class RequestPageTable:
         for key, n_new in zip(keys, plan.extend_lens):
             self.lengths[key] = self.prefix_len(key) + n_new
 
-        slots = []
-        for key, n_prefix, n_new in zip(keys, prefix, plan.extend_lens):
-            pos = torch.arange(n_prefix, n_prefix + n_new)
-            pages = torch.tensor(self.pages[key], dtype=torch.long)
-            slots.append(pages[pos // self.page_size] * self.page_size + pos % self.page_size)
+        slots = [self.slots(k)[p:] for k, p in zip(keys, prefix)]
         return ExtendBatch(
             keys=list(keys),
             prefix_lens=prefix,

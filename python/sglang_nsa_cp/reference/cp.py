@@ -20,7 +20,7 @@ from sglang_nsa_cp import kernels
 from sglang_nsa_cp.comm import TrafficCounter, all_gather_rerange, gather_full_hidden, gather_last_token_hidden
 from sglang_nsa_cp.layout import ExtendBatch, SplitPlan
 from sglang_nsa_cp.reference.model import DenseKV, DSAModel
-from sglang_nsa_cp.shared_kv import DenseLayout, KVStore, build_dense_layout, materialize_index, materialize_latent
+from sglang_nsa_cp.shared_kv import DenseLayout, HistoryPrefetcher, KVStore, build_dense_layout
 
 
 @dataclass
@@ -55,9 +55,13 @@ class ReplicatedCPKV(_CPBatch):
 
 
 class SharedCPKV(_CPBatch):
-    """The shared KV cache: owned pages persisted, the dense view rebuilt per layer."""
+    """The shared KV cache: owned pages persisted, the dense view rebuilt per layer.
 
-    def __init__(self, store: KVStore, plan, batch, rank, group, counter=None):
+    With `prefetch`, each layer's history is materialized one layer ahead (on a side stream on
+    GPU); without it, in place when the layer needs it.
+    """
+
+    def __init__(self, store: KVStore, plan, batch, rank, group, counter=None, prefetch: bool = True, timings=None):
         super().__init__(plan, batch, rank, group, counter)
         device = store.latent[0].device
         store.check_slots(batch.out_cache_loc)
@@ -67,6 +71,10 @@ class SharedCPKV(_CPBatch):
         self.layout: DenseLayout = build_dense_layout(
             batch.page_table().to(device), batch.prefix_lens, batch.extend_lens, store.page_size, store.cp_size, rank
         )
+        self.prefetcher = None
+        if not self.layout.current_reuse:
+            self.prefetcher = HistoryPrefetcher(store, self.layout, group, counter, enabled=prefetch, timings=timings)
+            self.prefetcher.launch(0)
 
     def layer_kv(self, layer_id, latent, index_key, index_scale) -> DenseKV:
         if self.plan.page_aligned:  # compute-owner pages: write what this rank computed, no exchange
@@ -75,13 +83,11 @@ class SharedCPKV(_CPBatch):
         if not self.plan.page_aligned:
             self.store.write(layer_id, self.slots, latent, index_key, index_scale)
         layout = self.layout
-        dense_latent = materialize_latent(self.store, layer_id, layout, latent, self.group, self.counter)
-        dense_index = materialize_index(self.store, layer_id, layout, index_key, index_scale, self.group, self.counter)
-        if layout.current_reuse:
-            key, scale = dense_index
-        else:
-            rows = torch.arange(layout.num_dense_rows, device=dense_latent.device)
-            key, scale = kernels.read_index_k(dense_index, rows, layout.page_size)
+        if self.prefetcher is None:  # current reuse: the gathered chunk is the dense view
+            return DenseKV(latent, index_key, index_scale, layout.req_rows)
+        dense_latent, dense_index = self.prefetcher.consume(layer_id, latent, index_key, index_scale)
+        rows = torch.arange(layout.num_dense_rows, device=dense_latent.device)
+        key, scale = kernels.read_index_k(dense_index, rows, layout.page_size)
         return DenseKV(dense_latent, key, scale, layout.req_rows)
 
 

@@ -132,14 +132,35 @@ def build_dense_layout(
     return layout
 
 
-def _gather_history_pages(
-    pages: torch.Tensor, layout: DenseLayout, group: dist.ProcessGroup, counter: TrafficCounter | None, kind: str
+def gather_history_pages(
+    pages: torch.Tensor,
+    layout: DenseLayout,
+    group: dist.ProcessGroup,
+    counter: TrafficCounter | None,
+    kind: str,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Owned history pages of every rank into their dense pages: pack, one all-gather, scatter."""
+    """Owned history pages of every rank into their dense pages: pack, one all-gather, scatter.
+
+    `pages` is one layer's shard viewed as one row per local page; returns (or fills `out`)
+    [num_dense_pages, page row]. Dense pages without history are left as they were.
+    """
     send = kernels.gather_rows(pages, layout.send_pages, pages.new_empty((layout.pages_per_rank, pages.shape[1])))
     gathered = all_gather_rows(send, layout.pages_per_rank, group, counter, kind)
-    dense = pages.new_empty((layout.num_dense_pages, pages.shape[1]))
-    return kernels.gather_rows(gathered, layout.dense_page_src, dense)
+    if out is None:
+        out = pages.new_empty((layout.num_dense_pages, pages.shape[1]))
+    return kernels.gather_rows(gathered, layout.dense_page_src, out)
+
+
+def add_current_latent(dense_pages: torch.Tensor, layout: DenseLayout, current: torch.Tensor) -> torch.Tensor:
+    """Write the chunk's latent rows into materialized history pages; returns the dense rows."""
+    dense = dense_pages.view(layout.num_dense_rows, current.shape[1])
+    return kernels.scatter_rows(dense, layout.current_rows, current)
+
+
+def add_current_index(dense_pages: torch.Tensor, layout: DenseLayout, key: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Write the chunk's index keys and scales into materialized history index pages."""
+    return kernels.store_owned_index_k(dense_pages, layout.current_rows, key, scale, 0, 1, layout.page_size)
 
 
 def materialize_latent(
@@ -157,10 +178,8 @@ def materialize_latent(
     """
     if layout.current_reuse:
         return current
-    row_width = store.latent[layer].shape[1]
-    dense = _gather_history_pages(store.page_rows(layer), layout, group, counter, "materialize_latent")
-    dense = dense.view(layout.num_dense_rows, row_width)
-    return kernels.scatter_rows(dense, layout.current_rows, current)
+    history = gather_history_pages(store.page_rows(layer), layout, group, counter, "materialize_latent")
+    return add_current_latent(history, layout, current)
 
 
 def materialize_index(
@@ -178,5 +197,5 @@ def materialize_index(
     """
     if layout.current_reuse:
         return current_key, current_scale
-    dense = _gather_history_pages(store.index[layer], layout, group, counter, "materialize_index")
-    return kernels.store_owned_index_k(dense, layout.current_rows, current_key, current_scale, 0, 1, layout.page_size)
+    history = gather_history_pages(store.index[layer], layout, group, counter, "materialize_index")
+    return add_current_index(history, layout, current_key, current_scale)
