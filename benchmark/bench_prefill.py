@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from sglang_nsa_cp.comm import TrafficCounter, all_gather_rows, run_ranks
 from sglang_nsa_cp.layout import OwnerClassedAllocator, RequestPageTable
+from sglang_nsa_cp.oracle import rel_err
 from sglang_nsa_cp.reference import DSAModel, get_config
 from sglang_nsa_cp.reference.cp import ReplicatedCPKV, SharedCPKV, prefill_cp
 from sglang_nsa_cp.shared_kv import HistoryPrefetcher, KVStore, build_dense_layout
@@ -132,22 +133,22 @@ def _run_path(model, path, case, args, rank, world, group, device):
 
 
 def _time_ms(fn, device, repeats):
+    """Mean time of `fn`, launched back to back between two events so the host runs ahead and
+    the figure is the device's, not the Python launch path's (on CPU: wall time)."""
     fn()
     _sync(device)
-    samples = []
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / repeats
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
     for _ in range(repeats):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            samples.append(a.elapsed_time(b))
-        else:
-            start = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / repeats
 
 
 def _materialize_vs_allgather(history_tokens, args, rank, world, group, device, dtype, latent_dim):
@@ -229,10 +230,6 @@ def _table(rows):
     return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(r, widths)) for r in rows)
 
 
-def _rel_err(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
 def report(out, args) -> dict:
     rows = [["case", "path", "ms", "x replicated", "exposed mat ms", "KV MiB/rank", "scratch MiB", "logit rel err vs 1 GPU"]]
     summary = []
@@ -241,7 +238,7 @@ def report(out, args) -> dict:
         for path in PATHS:
             r = row[path]
             ratio = r["ms"] / row["replicated"]["ms"]
-            err = _rel_err(r["logits"], base)
+            err = rel_err(r["logits"], base)
             rows.append([row["case"]["name"], path, f"{r['ms']:.1f}", f"{ratio:.3f}", f"{r['exposed_materialize_ms']:.2f}", f"{r['kv_bytes'] / MIB:.1f}", f"{r['scratch_bytes'] / MIB:.1f}", f"{err:.1e}"])
             summary.append({"case": row["case"], "path": path, **{k: v for k, v in r.items() if k != "logits"}, "x_replicated": ratio, "logit_rel_err_vs_one_gpu": err})
     print(_table(rows))

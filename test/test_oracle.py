@@ -45,6 +45,14 @@ def test_cp_paths_match_the_single_rank(cp_size, split, page_size):
     assert "tail_full" not in shared["bytes_moved"] and "tail_narrow" not in replicated["bytes_moved"]
 
 
+def test_pages_borrowed_across_owner_classes_are_still_persisted():
+    # The pool is sized exactly, so the page-aligned second chunk exhausts an owner class and
+    # borrows: its rows must be persisted from the gathered chunk, as the third chunk reads them.
+    chunks = [[("r1", 150)], [("r0", 200), ("r1", 160), ("r2", 130)], [("r2", 20)]]
+    report = run_oracle(Scenario(chunks, cp_size=4, page_size=16))
+    assert report["ok"], report["paths"]["shared"]
+
+
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_long_prompt_on_page_aligned_zigzag_uses_direct_writes(prefetch):
     # Long enough for every request to have 2N whole pages: the page-aligned split holds, each

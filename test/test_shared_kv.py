@@ -76,7 +76,7 @@ def _check_materialize_matches_replicated(rank, world, group, mode, page_size, f
             latent, key, scale = _logical_kv(plan.num_tokens, latent_dim, torch.bfloat16, seed * 100 + c * 10 + layer)
             gathered = all_gather_rerange(latent[mine], plan, group)
             assert torch.equal(gathered, latent)
-            if plan.page_aligned:  # compute-owner pages: each rank writes only what it computed
+            if batch.compute_owned:  # compute-owner pages: each rank writes only what it computed
                 shared.write(layer, batch.out_cache_loc[mine], latent[mine], key[mine], scale[mine])
             else:  # pages mix ranks' tokens: owners write from the gathered chunk
                 shared.write(layer, batch.out_cache_loc, gathered, key, scale)
@@ -118,12 +118,20 @@ def test_page_zigzag_allocation_makes_the_computing_rank_the_owner():
     table = RequestPageTable(OwnerClassedAllocator(4096, 4), page_size=16)
     for chunk in ([("x", 1000), ("y", 530)], [("x", 333), ("y", 700), ("z", 2000)]):
         plan, batch = table.schedule([k for k, _ in chunk], [n for _, n in chunk], "page_zigzag")
-        assert plan.page_aligned
+        assert plan.page_aligned and batch.compute_owned
         for rank in range(4):
             slots = batch.out_cache_loc[plan.token_indices(rank)]
             assert set(page_owner(slots // 16, 4).tolist()) <= {rank}
     pages = [p for ps in table.pages.values() for p in ps]
     assert len(pages) == len(set(pages))  # one owner each: a page id is held once
+
+
+def test_a_borrowed_page_turns_direct_writes_off():
+    allocator = OwnerClassedAllocator(8, 2)
+    allocator.alloc([0, 0, 0])  # class 0 keeps one free page
+    table = RequestPageTable(allocator, page_size=16)
+    plan, batch = table.schedule(["x"], [64], "page_zigzag")  # wants owners 0, 1, 1, 0
+    assert plan.page_aligned and not batch.compute_owned
 
 
 def test_rotation_keeps_each_rank_within_one_page_of_its_share():

@@ -3,6 +3,12 @@
 The demo spawns N CPU ranks over gloo, runs a few requests of mixed lengths (one continuing a
 cached prefix) through single-rank, replicated-CP and shared-KV-CP prefill of the reference
 model, and reports whether the oracle holds, KV bytes per rank and bytes moved per collective.
+
+With `--pd` it then runs PD disaggregation end to end (`sglang_nsa_cp.pd`): the shared-KV prefill
+ranks send the pages they own of each finished request to a decode process (this one) over
+Mooncake, which decodes a few tokens greedily from that KV; it reports the bytes and transfers
+per prefill rank against rank 0 sending every page (today's SGLang default), and whether the
+decoded tokens and the decode-side KV match the single-rank oracle.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--config", default="tiny", help="reference model config (tiny, glm5-attn)")
     demo.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     demo.add_argument("--no-prefetch", action="store_true", help="shared path: materialize in place, not one layer ahead")
+    demo.add_argument("--pd", action="store_true", help="also transfer to a decode process and decode (PD end to end)")
+    demo.add_argument("--decode-steps", type=int, default=4, help="with --pd: greedy decode steps, default 4")
     demo.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
     return parser
 
@@ -72,6 +80,38 @@ def _print_report(report: dict) -> None:
     print("oracle:", "ok" if report["ok"] else "FAILED")
 
 
+def _print_pd_report(pd: dict) -> None:
+    n = pd["cp_size"]
+    print(f"PD: {n} shared-KV prefill ranks -> 1 decode process (owned-page transfer over Mooncake TCP)")
+    if not pd["committed"]:
+        for key, why in pd["failures"].items():
+            print(f"  request {key}: {why}")
+        print("pd: FAILED")
+        return
+    rows = [["prefill rank", "pages sent", "bytes sent", "transfers", "batched writes"]]
+    for r in range(n):
+        rows.append([str(r), str(pd["pages_per_rank"][r]), str(pd["bytes_per_rank"][r]),
+                     str(pd["transfers_per_rank"][r]), str(pd["batches_per_rank"][r])])
+    base = pd["rank0_sends_all"]
+    rows.append(["rank 0 alone, all pages (SGLang default)", str(base["bytes"] // pd["bytes_per_page"]),
+                 str(base["bytes"]), str(base["transfers"]), "-"])
+    print(_table(rows))
+    busiest = max(pd["bytes_per_rank"])
+    print(f"busiest rank sends {busiest / base['bytes']:.3f} x rank 0 alone (1/N = {1 / n:.3f}); "
+          f"transfers issued in all: {pd['transfers_issued']}")
+    kv = pd["kv"]
+    print(f"transferred pages equal the owners' shard pages byte for byte: {pd['transfer_exact']}")
+    for part in ("transferred", "decoded"):
+        d = kv[part]
+        print(f"decode KV vs single rank, {part} positions: latent max rel err {d['max_rel_latent_err']:.2e}, "
+              f"index K bytes differing {d['index_key_mismatched_bytes']}/{d['index_key_bytes']}, "
+              f"index scale max rel err {d['max_rel_index_scale_err']:.2e}")
+    print(f"decoded tokens ({pd['decode_steps'] + 1} per request) match single rank: {pd['decoded_tokens_match']}")
+    for key, req in pd["requests"].items():
+        print(f"  {key}: {req['tokens']}" + ("" if req["tokens"] == req["single_tokens"] else f" (single: {req['single_tokens']})"))
+    print("pd:", "ok" if pd["ok"] else "FAILED")
+
+
 def demo(args: argparse.Namespace) -> int:
     from sglang_nsa_cp.oracle import Scenario, run_oracle
 
@@ -90,10 +130,22 @@ def demo(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.pd and args.decode_steps < 0:
+        print(f"error: --decode-steps must be >= 0, got {args.decode_steps}", file=sys.stderr)
+        return 2
     start = time.perf_counter()
     full = run_oracle(scenario)
     full["wall_seconds"] = time.perf_counter() - start
     _print_report(full)
+    if args.pd:
+        from sglang_nsa_cp.pd import run_pd
+
+        full["oracle_ok"] = full["ok"]
+        full["pd"] = run_pd(scenario, decode_steps=args.decode_steps)
+        full["ok"] = full["oracle_ok"] and full["pd"]["ok"]
+        full["wall_seconds"] = time.perf_counter() - start
+        print()
+        _print_pd_report(full["pd"])
     print(f"wall time: {full['wall_seconds']:.1f} s")
     if args.json:
         paths = full["paths"]

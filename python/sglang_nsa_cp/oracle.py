@@ -22,8 +22,8 @@ from sglang_nsa_cp.shared_kv import KVStore
 RTOL = 1e-5
 PATHS = ("replicated", "shared")
 # The replicated path is today's SGLang split; shared KV needs page-aligned cuts where possible.
-_SPLIT_MODES = {"zigzag": {"replicated": "zigzag", "shared": "page_zigzag"}, "interleave": {"replicated": "interleave", "shared": "interleave"}}
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+PATH_SPLIT_MODES = {"zigzag": {"replicated": "zigzag", "shared": "page_zigzag"}, "interleave": {"replicated": "interleave", "shared": "interleave"}}
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 @dataclass
@@ -38,10 +38,10 @@ class Scenario:
     prefetch: bool = True  # shared path: materialize history one layer ahead
 
     def __post_init__(self):
-        if self.split not in _SPLIT_MODES:
-            raise ValueError(f"split must be one of {sorted(_SPLIT_MODES)}, got {self.split!r}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.split not in PATH_SPLIT_MODES:
+            raise ValueError(f"split must be one of {sorted(PATH_SPLIT_MODES)}, got {self.split!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.cp_size < 1:
             raise ValueError(f"cp_size must be at least 1, got {self.cp_size}")
         for chunk in self.chunks:
@@ -111,14 +111,14 @@ class _Capture:
         return dense
 
 
-def _model(s: Scenario) -> DSAModel:
-    return DSAModel(get_config(s.config), seed=s.seed, dtype=_DTYPES[s.dtype])
+def build_model(s: Scenario) -> DSAModel:
+    return DSAModel(get_config(s.config), seed=s.seed, dtype=DTYPES[s.dtype])
 
 
 def run_single(s: Scenario) -> PathResult:
     start = time.perf_counter()
-    model = _model(s)
-    cache = SlotKVCache(model.config, s.num_pages() * s.page_size, s.page_size, dtype=_DTYPES[s.dtype])
+    model = build_model(s)
+    cache = SlotKVCache(model.config, s.num_pages() * s.page_size, s.page_size, dtype=DTYPES[s.dtype])
     result = PathResult([], [], {})
     for chunk, ids in zip(s.chunks, s.tokens(model.config.vocab_size)):
         keys = [k for k, _ in chunk]
@@ -135,7 +135,7 @@ def run_single(s: Scenario) -> PathResult:
 
 def run_cp_rank(rank: int, world: int, group, s: Scenario) -> dict[str, PathResult]:
     """One rank of both CP paths, one after the other (call through `run_ranks`)."""
-    model = _model(s)
+    model = build_model(s)
     return {path: _run_cp_path(rank, world, group, s, model, path) for path in PATHS}
 
 
@@ -143,14 +143,14 @@ def _run_cp_path(rank, world, group, s: Scenario, model: DSAModel, path: str) ->
     start = time.perf_counter()
     cfg = model.config
     table = RequestPageTable(OwnerClassedAllocator(s.num_pages(), world), s.page_size)
-    store_kw = dict(num_layers=cfg.num_layers, num_pages=s.num_pages(), page_size=s.page_size, latent_dim=cfg.latent_dim, latent_dtype=_DTYPES[s.dtype])
+    store_kw = dict(num_layers=cfg.num_layers, num_pages=s.num_pages(), page_size=s.page_size, latent_dim=cfg.latent_dim, latent_dtype=DTYPES[s.dtype])
     store = KVStore(cp_size=world, rank=rank, **store_kw) if path == "shared" else KVStore.replicated(**store_kw)
     context = (lambda *a: SharedCPKV(*a, prefetch=s.prefetch)) if path == "shared" else ReplicatedCPKV
     counter = TrafficCounter()
     result = PathResult([], [], {})
     for chunk, ids in zip(s.chunks, s.tokens(cfg.vocab_size)):
         keys = [k for k, _ in chunk]
-        plan, batch = table.schedule(keys, [n for _, n in chunk], _SPLIT_MODES[s.split][path])
+        plan, batch = table.schedule(keys, [n for _, n in chunk], PATH_SPLIT_MODES[s.split][path])
         kv = _Capture(context(store, plan, batch, rank, group, counter), keys, batch.seq_lens, result.kv)
         logits, topk = prefill_cp(model, torch.cat(ids), kv, narrow_tail=path == "shared", return_topk=True)
         result.logits.append(logits)
@@ -175,20 +175,20 @@ def _flat_topk(per_rank: list[PathResult], chunk: int) -> list[torch.Tensor]:
     return layers
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
 
 
 def compare(s: Scenario, single: PathResult, per_rank: list[PathResult]) -> dict:
     """Oracle checks of one CP path against the single rank."""
-    logit_err = max(_rel_err(r.logits[c], single.logits[c]) for r in per_rank for c in range(len(s.chunks)))
+    logit_err = max(rel_err(r.logits[c], single.logits[c]) for r in per_rank for c in range(len(s.chunks)))
     topk_equal = all(
         torch.equal(a, b)
         for c in range(len(s.chunks))
         for a, b in zip(_flat_topk(per_rank, c), single.topk[c])
     )
     kv_err = max(
-        _rel_err(r.kv[key][layer], single.kv[key][layer]) for r in per_rank for key in single.kv for layer in range(len(single.kv[key]))
+        rel_err(r.kv[key][layer], single.kv[key][layer]) for r in per_rank for key in single.kv for layer in range(len(single.kv[key]))
     )
     return {
         "max_rel_logit_err": logit_err,

@@ -91,6 +91,10 @@ class ExtendBatch:
     page_size: int
     req_pages: list[list[int]]  # each request's logical page ids in position order
     out_cache_loc: torch.Tensor  # logical slot of each new token, flat-batch order
+    # Every page receiving new tokens is owned by the one rank computing them, so each rank can
+    # persist exactly what it computed (direct write). False when the split is not page-aligned
+    # or the allocator had to borrow a page from another owner class.
+    compute_owned: bool = False
 
     @property
     def seq_lens(self) -> list[int]:
@@ -180,6 +184,7 @@ class RequestPageTable:
         owners = self._new_page_owners(keys, plan, needed)
         flat_owners = [o for req in owners for o in req]
         new_pages = self.allocator.alloc(flat_owners)
+        borrowed = any(page_owner(p, self.cp_size) != o for p, o in zip(new_pages, flat_owners))
         it = iter(new_pages)
         for key, req_owners in zip(keys, owners):
             self.pages.setdefault(key, []).extend(next(it) for _ in req_owners)
@@ -194,6 +199,7 @@ class RequestPageTable:
             page_size=self.page_size,
             req_pages=[list(self.pages[k]) for k in keys],
             out_cache_loc=torch.cat(slots),
+            compute_owned=plan.page_aligned and not borrowed,
         )
 
     def _new_page_owners(self, keys, plan: SplitPlan, needed: list[int]) -> list[list[int]]:

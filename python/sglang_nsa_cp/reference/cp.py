@@ -77,10 +77,10 @@ class SharedCPKV(_CPBatch):
             self.prefetcher.launch(0)
 
     def layer_kv(self, layer_id, latent, index_key, index_scale) -> DenseKV:
-        if self.plan.page_aligned:  # compute-owner pages: write what this rank computed, no exchange
+        if self.batch.compute_owned:  # compute-owner pages: write what this rank computed, no exchange
             self.store.write(layer_id, self.local_slots, latent, index_key, index_scale)
         latent, index_key, index_scale = self.gather_current(latent, index_key, index_scale)
-        if not self.plan.page_aligned:
+        if not self.batch.compute_owned:
             self.store.write(layer_id, self.slots, latent, index_key, index_scale)
         layout = self.layout
         if self.prefetcher is None:  # current reuse: the gathered chunk is the dense view

@@ -93,14 +93,16 @@ class HistoryPrefetcher:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The dense view of `layer`: its history plus this chunk's rows (latent rows, index pages).
 
-        Launches the next layer first when prefetch is on, so it overlaps this layer's work.
+        Launches the next layer first when prefetch is on, so it overlaps this layer's work; the
+        next layer's side-stream work waits for this layer's earlier main-stream work, and runs
+        alongside this layer's attention.
         """
-        if self.timings is not None:
+        if self.early:
+            self.launch(layer + 1)
+        if self.timings is not None:  # from here to `end`: what this layer waits for its history
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         self.launch(layer)  # consume-time fallback: a layer nobody launched is launched here
-        if self.early:
-            self.launch(layer + 1)
         ready = self._ready.pop(layer)
         if ready is not None:
             torch.cuda.current_stream().wait_event(ready)
