@@ -52,12 +52,14 @@ def quantize_mla_fp8(kv: torch.Tensor) -> torch.Tensor:
     """bf16 [T, 576] latent rows to FlashMLA's 656-byte fp8 rows (uint8 [T, 656]).
 
     Bytes 0..511: the 512 nope values as float8_e4m3fn, each 128-value block divided by its
-    scale; bytes 512..527: the four fp32 scales (block amax / 448); bytes 528..655: the 64 rope
-    values as bf16.
+    scale; bytes 512..527: the four fp32 scales (block amax * fp32(1/448)); bytes 528..655: the
+    64 rope values as bf16.
     """
     t = kv.shape[0]
-    nope = kv[:, :MLA_NOPE_DIM].float().view(t, -1, MLA_FP8_BLOCK)
-    scale = nope.abs().amax(dim=-1).clamp_min(1e-12) / FP8_MAX
+    nope = kv[:, :MLA_NOPE_DIM].float().view(t, MLA_NOPE_DIM // MLA_FP8_BLOCK, MLA_FP8_BLOCK)
+    # Times the fp32 reciprocal, not "/ FP8_MAX": torch on CUDA divides by a Python scalar that
+    # way and on CPU exactly, so a division would make the scales differ by device (1 ulp).
+    scale = nope.abs().amax(dim=-1).clamp_min(1e-12) * (1.0 / FP8_MAX)
     q = (nope / scale[..., None]).to(torch.float8_e4m3fn).view(torch.uint8).view(t, MLA_NOPE_DIM)
     rope = kv[:, MLA_NOPE_DIM:].to(torch.bfloat16).contiguous().view(torch.uint8)
     return torch.cat([q, scale.contiguous().view(torch.uint8), rope], dim=1)
@@ -66,7 +68,8 @@ def quantize_mla_fp8(kv: torch.Tensor) -> torch.Tensor:
 def dequantize_mla_fp8(rows: torch.Tensor) -> torch.Tensor:
     """Inverse of `quantize_mla_fp8` up to fp8 rounding: uint8 [T, 656] to float32 [T, 576]."""
     t = rows.shape[0]
-    q = rows[:, :MLA_NOPE_DIM].contiguous().view(torch.float8_e4m3fn).float().view(t, -1, MLA_FP8_BLOCK)
+    q = rows[:, :MLA_NOPE_DIM].contiguous().view(torch.float8_e4m3fn).float()
+    q = q.view(t, MLA_NOPE_DIM // MLA_FP8_BLOCK, MLA_FP8_BLOCK)
     scale = rows[:, MLA_NOPE_DIM : MLA_NOPE_DIM + 16].contiguous().view(torch.float32)
     rope = rows[:, MLA_NOPE_DIM + 16 :].contiguous().view(torch.bfloat16).float()
     return torch.cat([(q * scale[..., None]).view(t, MLA_NOPE_DIM), rope], dim=1)

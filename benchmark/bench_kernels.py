@@ -1,0 +1,620 @@
+"""Bandwidth of the shared-KV kernels on CUDA, next to a device copy and plain torch (GPU, ~1 min).
+
+    PYTHONPATH=python python benchmark/bench_kernels.py [--sizes 16,64,256] [--out DIR] [--plot] [--sweep]
+
+For every kernel and row kind (bf16 latent rows of 1152 bytes, FlashMLA fp8 rows of 656 bytes,
+index rows of 132 bytes, and 64-token pages of each) and input size, the run:
+1. checks the Triton kernel bitwise against the torch reference on poisoned outputs;
+2. times it with CUDA events (median of many runs after warm-up, L2 flushed before each run);
+3. times, in the same run, a device-to-device copy of the same bytes and the fastest plain-torch
+   equivalent of several (index_select / index_copy_ / advanced indexing, on the native dtype
+   and on the widest word view).
+Bytes moved count row payload read plus written (index tensors excluded), the same way for the
+kernel and for the copy; "of copy" is copy time / kernel time. Results go to DIR/bench_kernels.json
+and .csv (default benchmark/results/), with --plot to DIR/bench_kernels.png; --sweep first times
+launch shapes of each kernel family (at 64 MiB and the largest size) and runs the table with the
+best ones.
+
+Cases: rerange = gather_rows of a rank-major all-gathered tensor by a split plan's rerange index
+(CP 4, zigzag over 4 requests, or interleave), also for index keys without their scale (128-byte
+rows, as when key and scale travel as two tensors); materialize = gather_rows of 64-token pages by a
+random page permutation; materialize-scatter = scatter_rows of token rows into page-ordered dense
+rows (pages in random order) or of pages by a permutation; store = store_owned_* at rank 0 of CP N,
+either from the all-gathered batch ("gathered", about 1/N of the rows owned) or from the rank's
+own rows under compute-owner allocation ("local", all owned).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import triton
+
+from sglang_nsa_cp.kernels import reference as ref
+from sglang_nsa_cp.kernels import triton_kernels as tk
+from sglang_nsa_cp.layout.split import plan_split
+
+MIB = 1 << 20
+PAGE = 64
+RERANGE_CP = 4
+DEV = torch.device("cuda")
+ROW_KINDS = {  # name: (dtype, elements per row)
+    "bf16-1152B": (torch.bfloat16, 576),
+    "fp8-656B": (torch.uint8, 656),
+    "index-132B": (torch.uint8, 132),
+}
+# Index K without its scale: how 132-byte rows move when key and scale travel as two tensors.
+KEY_ROWS = {"index-key-128B": (torch.uint8, 128)}
+GOALS = {"rerange": 0.85, "materialize": 0.90, "materialize-scatter": 0.90, "store": 0.90}
+GOAL_MIN_MIB = 64
+
+
+@dataclass
+class Case:
+    kernel: str  # the public function
+    use: str  # rerange / materialize / materialize-scatter / store
+    rows: str
+    pattern: str
+    mib_in: int
+    moved_bytes: int
+    triton_fn: Callable[[], object] = field(repr=False)
+    torch_fns: dict[str, Callable[[], object]] = field(repr=False)
+    check: Callable[[], bool] = field(repr=False)
+
+
+# ---- inputs ----------------------------------------------------------------------------------
+def random_rows(rows: int, dtype: torch.dtype, width: int) -> torch.Tensor:
+    nbytes = width * torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (rows, nbytes), dtype=torch.uint8, device=DEV).view(dtype)
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    t.view(torch.uint8).fill_(0xAB)
+    return t
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def word_view(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's rows as the widest integer words that divide them (for torch's kernels)."""
+    nbytes = t.shape[1] * t.element_size()
+    for size, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        if nbytes % size == 0:
+            return t.view(torch.uint8).view(dtype)
+    return t.view(torch.uint8)
+
+
+def views(*tensors: torch.Tensor) -> dict[str, tuple[torch.Tensor, ...]]:
+    return {"native": tensors, "words": tuple(word_view(t) for t in tensors)}
+
+
+def random_pages_slots(pages: int, tokens: int, owner_rank: int | None = None, cp_size: int = 1) -> torch.Tensor:
+    """out_cache_loc-like slots: 64-token pages in random order (only `owner_rank`'s pages if
+    given), each filled in order."""
+    ids = torch.arange(pages, device=DEV)
+    if owner_rank is not None:
+        ids = ids[ids % cp_size == owner_rank]
+    ids = ids[torch.randperm(ids.numel(), device=DEV)]
+    return (ids[:, None] * PAGE + torch.arange(PAGE, device=DEV)).reshape(-1)[:tokens].contiguous()
+
+
+# ---- cases -----------------------------------------------------------------------------------
+def gather_case(use, rows_name, pattern, mib, src, index, out_rows) -> Case:
+    out = torch.empty((out_rows, src.shape[1]), dtype=src.dtype, device=DEV)
+
+    def check():
+        got = tk.gather_rows(src, index, poison(out))
+        return same_bytes(got, ref.gather_rows(src, index, poison(out.clone())))
+
+    torch_fns = {
+        f"index_select[{name}]": (lambda s=s, o=o: torch.index_select(s, 0, index, out=o))
+        for name, (s, o) in views(src, out).items()
+    }
+    moved = 2 * index.numel() * src.shape[1] * src.element_size()
+    return Case(
+        "gather_rows", use, rows_name, pattern, mib, moved, lambda: tk.gather_rows(src, index, out), torch_fns, check
+    )
+
+
+def scatter_case(use, rows_name, pattern, mib, src, index, dst_rows) -> Case:
+    dst = torch.empty((dst_rows, src.shape[1]), dtype=src.dtype, device=DEV)
+
+    def check():
+        got = tk.scatter_rows(poison(dst), index, src)
+        return same_bytes(got, ref.scatter_rows(poison(dst.clone()), index, src))
+
+    torch_fns = {
+        f"index_copy_[{name}]": (lambda d=d, s=s: d.index_copy_(0, index, s))
+        for name, (d, s) in views(dst, src).items()
+    }
+    moved = 2 * src.numel() * src.element_size()
+    return Case(
+        "scatter_rows", use, rows_name, pattern, mib, moved, lambda: tk.scatter_rows(dst, index, src), torch_fns, check
+    )
+
+
+def rerange_cases(mib: int) -> list[Case]:
+    cases = []
+    for rows_name, (dtype, width) in {**ROW_KINDS, **KEY_ROWS}.items():
+        tokens = mib * MIB // (width * torch.empty((), dtype=dtype).element_size())
+        for mode in ("zigzag", "interleave"):
+            reqs = 4 if mode == "zigzag" else 1
+            lens = [tokens // reqs] * reqs
+            plan = plan_split(lens, [0] * reqs, RERANGE_CP, mode, PAGE)
+            gathered = random_rows(RERANGE_CP * plan.max_count, dtype, width)
+            index = plan.rerange_index.to(DEV)
+            cases.append(
+                gather_case("rerange", rows_name, f"{mode} cp{RERANGE_CP}", mib, gathered, index, index.numel())
+            )
+    return cases
+
+
+def materialize_cases(mib: int) -> list[Case]:
+    cases = []
+    for rows_name, (dtype, width) in ROW_KINDS.items():
+        page_name = f"page {rows_name.split('-')[0]} {PAGE}x{rows_name.split('-')[1]}"
+        page_bytes = PAGE * width * torch.empty((), dtype=dtype).element_size()
+        pages = mib * MIB // page_bytes
+        gathered = random_rows(pages, dtype, PAGE * width)
+        perm = torch.randperm(pages, device=DEV)
+        cases.append(gather_case("materialize", page_name, "page permutation", mib, gathered, perm, pages))
+        cases.append(scatter_case("materialize-scatter", page_name, "page permutation", mib, gathered, perm, pages))
+    for rows_name, (dtype, width) in {**ROW_KINDS, **KEY_ROWS}.items():
+        tokens = mib * MIB // (width * torch.empty((), dtype=dtype).element_size())
+        current = random_rows(tokens, dtype, width)
+        pages = -(-tokens // PAGE)
+        dense_rows = random_pages_slots(pages, tokens)
+        cases.append(
+            scatter_case(
+                "materialize-scatter", rows_name, "tokens to random pages", mib, current, dense_rows, pages * PAGE
+            )
+        )
+    return cases
+
+
+def store_slots(pattern: str, tokens: int, cp_size: int) -> tuple[torch.Tensor, int]:
+    """Slots of the rows rank 0 stores, and the number of shard rows."""
+    if pattern == "gathered":
+        pages = -(-tokens // PAGE)
+        pages += -pages % cp_size
+        return random_pages_slots(pages, tokens), pages // cp_size * PAGE
+    pages = -(-tokens // PAGE) * cp_size
+    return random_pages_slots(pages, tokens, 0, cp_size), pages // cp_size * PAGE
+
+
+def owned_count(slots: torch.Tensor, cp_size: int) -> int:
+    return int((ref.owned_physical_rows(slots, 0, cp_size, PAGE) >= 0).sum())
+
+
+def compact(slots: torch.Tensor, cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and shard rows of rank 0's owned slots (plain torch, with a host sync)."""
+    rows = ref.owned_physical_rows(slots, 0, cp_size, PAGE)
+    pos = (rows >= 0).nonzero().squeeze(1)
+    return pos, rows[pos]
+
+
+def store_rows_case(mib: int, pattern: str, n: int, rows_name: str) -> Case:
+    dtype, width = ROW_KINDS[rows_name]
+    row_bytes = width * torch.empty((), dtype=dtype).element_size()
+    slots, shard_rows = store_slots(pattern, mib * MIB // row_bytes, n)
+    rows = random_rows(slots.numel(), dtype, width)
+    shard = torch.empty((shard_rows, width), dtype=dtype, device=DEV)
+
+    def check():
+        got = tk.store_owned_rows(poison(shard), slots, rows, 0, n, PAGE)
+        return same_bytes(got, ref.store_owned_rows(poison(shard.clone()), slots, rows, 0, n, PAGE))
+
+    def compact_copy():
+        pos, dst = compact(slots, n)
+        word_view(shard).index_copy_(0, dst, word_view(rows).index_select(0, pos))
+
+    torch_fns = {
+        "reference": lambda: ref.store_owned_rows(shard, slots, rows, 0, n, PAGE),
+        "compact+index_copy_[words]": compact_copy,
+    }
+    moved = 2 * owned_count(slots, n) * row_bytes
+    return Case(
+        "store_owned_rows",
+        "store",
+        rows_name,
+        f"{pattern} cp{n}",
+        mib,
+        moved,
+        lambda: tk.store_owned_rows(shard, slots, rows, 0, n, PAGE),
+        torch_fns,
+        check,
+    )
+
+
+def store_fp8_case(mib: int, pattern: str, n: int) -> Case:
+    """Quantize + store: bf16 latent rows in, 656-byte fp8 rows out."""
+    slots, shard_rows = store_slots(pattern, mib * MIB // 1152, n)
+    tokens = slots.numel()
+    kv = (torch.randn(tokens, 576, device=DEV) * torch.exp(torch.randn(tokens, 1, device=DEV))).to(torch.bfloat16)
+    shard = torch.empty((shard_rows, ref.MLA_FP8_ROW_BYTES), dtype=torch.uint8, device=DEV)
+
+    def check():
+        got = tk.store_owned_mla_fp8(poison(shard), slots, kv, 0, n, PAGE)
+        return same_bytes(got, ref.store_owned_mla_fp8(poison(shard.clone()), slots, kv, 0, n, PAGE))
+
+    def compact_quantize():
+        pos, dst = compact(slots, n)
+        shard.index_copy_(0, dst, ref.quantize_mla_fp8(kv.index_select(0, pos)))
+
+    torch_fns = {
+        "reference": lambda: ref.store_owned_mla_fp8(shard, slots, kv, 0, n, PAGE),
+        "compact+quantize+index_copy_": compact_quantize,
+    }
+    moved = owned_count(slots, n) * (1152 + ref.MLA_FP8_ROW_BYTES)
+    return Case(
+        "store_owned_mla_fp8",
+        "store",
+        "bf16 -> fp8-656B",
+        f"{pattern} cp{n}",
+        mib,
+        moved,
+        lambda: tk.store_owned_mla_fp8(shard, slots, kv, 0, n, PAGE),
+        torch_fns,
+        check,
+    )
+
+
+def store_index_case(mib: int, pattern: str, n: int) -> Case:
+    """Index K + scale into SGLang's index-K pages."""
+    slots, shard_rows = store_slots(pattern, mib * MIB // ref.INDEX_ROW_BYTES, n)
+    tokens = slots.numel()
+    key = random_rows(tokens, torch.uint8, ref.INDEX_HEAD_DIM)
+    scale = torch.rand(tokens, device=DEV)
+    pages = torch.empty((shard_rows // PAGE, PAGE * ref.INDEX_ROW_BYTES), dtype=torch.uint8, device=DEV)
+    # The key and scale regions of every page, as strided views for advanced indexing.
+    keys = pages.as_strided((pages.shape[0], PAGE, ref.INDEX_HEAD_DIM), (pages.shape[1], ref.INDEX_HEAD_DIM, 1))
+    scales = pages.view(torch.float32).as_strided(
+        (pages.shape[0], PAGE), (pages.shape[1] // 4, 1), PAGE * ref.INDEX_HEAD_DIM // 4
+    )
+
+    def check():
+        got = tk.store_owned_index_k(poison(pages), slots, key, scale, 0, n, PAGE)
+        return same_bytes(got, ref.store_owned_index_k(poison(pages.clone()), slots, key, scale, 0, n, PAGE))
+
+    def compact_put():
+        pos, dst = compact(slots, n)
+        keys[dst // PAGE, dst % PAGE] = key.index_select(0, pos)
+        scales[dst // PAGE, dst % PAGE] = scale.index_select(0, pos)
+
+    torch_fns = {
+        "reference": lambda: ref.store_owned_index_k(pages, slots, key, scale, 0, n, PAGE),
+        "compact+index_put_": compact_put,
+    }
+    moved = 2 * owned_count(slots, n) * ref.INDEX_ROW_BYTES
+    return Case(
+        "store_owned_index_k",
+        "store",
+        "index 128B+scale",
+        f"{pattern} cp{n}",
+        mib,
+        moved,
+        lambda: tk.store_owned_index_k(pages, slots, key, scale, 0, n, PAGE),
+        torch_fns,
+        check,
+    )
+
+
+def store_cases(mib: int) -> list[Case]:
+    cases = []
+    for pattern in ("local", "gathered"):
+        for n in (2, 4, 8):
+            cases += [store_rows_case(mib, pattern, n, rows_name) for rows_name in ("bf16-1152B", "fp8-656B")]
+            cases += [store_fp8_case(mib, pattern, n), store_index_case(mib, pattern, n)]
+    return cases
+
+
+# ---- timing ----------------------------------------------------------------------------------
+class Timer:
+    """Median CUDA-event time of one call, L2 flushed before each run."""
+
+    def __init__(self, iters: int, warmup: int):
+        self.iters, self.warmup = iters, warmup
+        # Flushed by reading, not writing: dirty flush lines would be written back inside the
+        # timed region.
+        self.flush = torch.ones(64 * MIB, dtype=torch.int64, device=DEV)
+
+    def us(self, fn: Callable[[], object], iters: int | None = None) -> float:
+        iters = iters or self.iters
+        for _ in range(self.warmup):
+            fn()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for start, end in events:
+            self.flush.amax()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return 1000.0 * statistics.median(s.elapsed_time(e) for s, e in events)
+
+    def copy_us(self, nbytes: int) -> float:
+        src = torch.empty(nbytes // 2, dtype=torch.uint8, device=DEV)
+        dst = torch.empty_like(src)
+        return self.us(lambda: dst.copy_(src))
+
+
+def measure(case: Case, timer: Timer) -> dict:
+    ok = case.check()
+    t_triton = timer.us(case.triton_fn)
+    t_copy = timer.copy_us(case.moved_bytes)
+    torch_times = {name: timer.us(fn, max(timer.iters // 3, 5)) for name, fn in case.torch_fns.items()}
+    best = min(torch_times, key=torch_times.get)
+    return dict(
+        kernel=case.kernel,
+        use=case.use,
+        rows=case.rows,
+        pattern=case.pattern,
+        mib_in=case.mib_in,
+        moved_bytes=case.moved_bytes,
+        ok=ok,
+        triton_us=t_triton,
+        gbps=case.moved_bytes / t_triton / 1e3,
+        copy_us=t_copy,
+        copy_gbps=case.moved_bytes / t_copy / 1e3,
+        of_copy=t_copy / t_triton,
+        torch_us=torch_times[best],
+        torch_impl=best,
+        torch_all_us=torch_times,
+        speedup=torch_times[best] / t_triton,
+    )
+
+
+# ---- launch-shape sweep ----------------------------------------------------------------------
+def _is_narrow(c: Case) -> bool:
+    return c.rows == "index-132B"  # 4-byte aligned rows: no 16-byte vectors
+
+
+def _in_copy_sweep(c: Case) -> bool:
+    """Each vectorized row width once (every shape compiles anew): zigzag reranges, page
+    gathers and token scatters."""
+    if _is_narrow(c):
+        return False
+    if c.use == "rerange":
+        return c.pattern.startswith("zigzag")
+    if c.use == "materialize-scatter":
+        return not c.rows.startswith("page")
+    return c.use == "materialize"
+
+
+# family: (launch-shape names in triton_kernels, candidate values, which cases to time)
+SWEEPS = {
+    "copy": (("COPY_BYTES_PER_PROGRAM", "COPY_NUM_WARPS"), [(2048, 4), (4096, 4), (8192, 4)], _in_copy_sweep),
+    "store": (
+        ("STORE_BYTES_PER_PROGRAM",),
+        [(4096,), (8192,), (16384,)],
+        lambda c: c.kernel == "store_owned_rows" and c.pattern in ("local cp4", "gathered cp4", "gathered cp8"),
+    ),
+    "narrow": (
+        ("COPY_VECTORS_PER_THREAD",),
+        [(2,), (4,)],
+        lambda c: _is_narrow(c) and c.pattern.startswith(("zigzag", "tokens")),
+    ),
+    "fp8": (
+        ("FP8_ROWS_PER_PROGRAM", "FP8_NUM_WARPS"),
+        [(4, 2), (4, 4), (8, 4)],
+        lambda c: c.kernel == "store_owned_mla_fp8" and c.pattern.endswith("cp4"),
+    ),
+    "index": (
+        ("INDEX_ROWS_PER_PROGRAM", "INDEX_NUM_WARPS"),
+        [(32, 4), (64, 4)],
+        lambda c: c.kernel == "store_owned_index_k" and c.pattern.endswith("cp4"),
+    ),
+}
+
+
+def sweep(cases: list[Case], timer: Timer) -> list[dict]:
+    """Time every candidate launch shape of each family on its cases."""
+    rows = []
+    for family, (names, configs, wanted) in SWEEPS.items():
+        saved = [getattr(tk, n) for n in names]
+        for case in filter(wanted, cases):
+            t_copy = timer.copy_us(case.moved_bytes)
+            for config in configs:
+                for n, v in zip(names, config, strict=True):
+                    setattr(tk, n, v)
+                t = timer.us(case.triton_fn)
+                rows.append(
+                    dict(
+                        family=family,
+                        config=config,
+                        kernel=case.kernel,
+                        rows=case.rows,
+                        pattern=case.pattern,
+                        mib_in=case.mib_in,
+                        us=t,
+                        of_copy=t_copy / t,
+                    )
+                )
+                print(
+                    f"sweep {family:6} {str(config):20} {case.kernel:20} {case.rows:22} {case.pattern:24} {case.mib_in:4} MiB {t:9.1f} us {t_copy / t:6.3f} of copy",
+                    flush=True,
+                )
+        for n, v in zip(names, saved, strict=True):
+            setattr(tk, n, v)
+    return rows
+
+
+def apply_best(rows: list[dict]) -> None:
+    """Set each family's launch shape with the highest geometric-mean fraction of copy."""
+    for family, (names, _, _) in SWEEPS.items():
+        scores = {}
+        for r in rows:
+            if r["family"] == family:
+                scores.setdefault(tuple(r["config"]), []).append(math.log(r["of_copy"]))
+        best = max(scores, key=lambda c: statistics.fmean(scores[c]))
+        for n, v in zip(names, best, strict=True):
+            setattr(tk, n, v)
+        print(
+            f"sweep {family}: using {dict(zip(names, best, strict=True))} (geomean {math.exp(statistics.fmean(scores[best])):.3f} of copy)"
+        )
+
+
+# ---- report ----------------------------------------------------------------------------------
+def machine() -> dict:
+    props = torch.cuda.get_device_properties(DEV)
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown (no git checkout)"
+    return {
+        "gpu": props.name,
+        "gpu_count": torch.cuda.device_count(),
+        "sms": props.multi_processor_count,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "python": sys.version.split()[0],
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "commit": commit,
+        "launch_shapes": {n: getattr(tk, n) for names, _, _ in SWEEPS.values() for n in names},
+    }
+
+
+def print_table(results: list[dict]) -> None:
+    head = f"{'kernel':20} {'use':19} {'rows':22} {'pattern':24} {'MiB in':>6} {'MiB mv':>7} {'us':>8} {'GB/s':>6} {'copy GB/s':>9} {'of copy':>7} {'torch us':>9} {'speedup':>7}  {'ok':3} torch impl"
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        print(
+            f"{r['kernel']:20} {r['use']:19} {r['rows']:22} {r['pattern']:24} {r['mib_in']:6} {r['moved_bytes'] / MIB:7.1f} "
+            f"{r['triton_us']:8.1f} {r['gbps']:6.0f} {r['copy_gbps']:9.0f} {r['of_copy']:7.3f} {r['torch_us']:9.1f} "
+            f"{r['speedup']:7.2f}  {'ok' if r['ok'] else 'BAD':3} {r['torch_impl']}"
+        )
+    print(f"geometric mean: {geomean(results, 'of_copy'):.3f} of copy, {geomean(results, 'speedup'):.2f}x plain torch")
+
+
+def geomean(results: list[dict], key: str) -> float:
+    return math.exp(statistics.fmean(math.log(r[key]) for r in results))
+
+
+def goal_misses(results: list[dict]) -> list[str]:
+    misses = []
+    for r in results:
+        label = f"{r['kernel']} {r['rows']} {r['pattern']} {r['mib_in']} MiB"
+        if not r["ok"]:
+            misses.append(f"{label}: output differs from the reference")
+        if r["mib_in"] >= GOAL_MIN_MIB and r["of_copy"] < GOALS[r["use"]]:
+            misses.append(f"{label}: {r['of_copy']:.3f} of copy < {GOALS[r['use']]}")
+        if r["speedup"] <= 1.0:
+            misses.append(f"{label}: {r['speedup']:.2f}x plain torch ({r['torch_impl']})")
+    return misses
+
+
+def plot(results: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(f"{r['kernel']} | {r['rows']} | {r['pattern']}" for r in results))
+    sizes = sorted({r["mib_in"] for r in results})
+    value = {(f"{r['kernel']} | {r['rows']} | {r['pattern']}", r["mib_in"]): r["of_copy"] for r in results}
+    fig, ax = plt.subplots(figsize=(11, 0.32 * len(labels) * len(sizes) / 2 + 1.5))
+    height = 0.8 / len(sizes)
+    for k, size in enumerate(sizes):
+        ys = [i + k * height for i in range(len(labels))]
+        ax.barh(ys, [value.get((lab, size), 0.0) for lab in labels], height=height, label=f"{size} MiB in")
+    ax.set_yticks([i + 0.4 - height / 2 for i in range(len(labels))], labels, fontsize=7)
+    ax.invert_yaxis()
+    for goal, style in ((0.85, ":"), (0.90, "--")):
+        ax.axvline(goal, color="k", linestyle=style, linewidth=0.8)
+    ax.set_xlabel("fraction of device-to-device copy bandwidth (same bytes, same run); goals 0.85 rerange, 0.90 others")
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="16,64,256", help="input sizes in MiB, comma-separated")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--iters", type=int, default=60, help="timed runs per measurement (median)")
+    parser.add_argument("--plot", action="store_true", help="draw fraction-of-copy bars to OUT/bench_kernels.png")
+    parser.add_argument(
+        "--sweep", action="store_true", help="first time launch shapes (64 MiB and the largest size) and use the best"
+    )
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels.py needs a CUDA device")
+    if triton.knobs.runtime.interpret:
+        sys.exit("unset TRITON_INTERPRET: the benchmark times compiled kernels")
+    os.makedirs(args.out, exist_ok=True)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    info = machine()
+    print(" ".join(f"{k}={v}" for k, v in info.items()))
+    timer = Timer(args.iters, warmup=5)
+
+    sweep_rows = []
+    if args.sweep:
+        for mib in sorted({GOAL_MIN_MIB, max(sizes)}):  # compiled shapes are reused across sizes
+            sweep_rows += sweep(rerange_cases(mib) + materialize_cases(mib) + store_cases(mib), timer)
+            torch.cuda.empty_cache()
+        apply_best(sweep_rows)
+        info["launch_shapes"] = machine()["launch_shapes"]
+
+    results = []
+    for mib in sizes:
+        for make in (rerange_cases, materialize_cases, store_cases):
+            for case in make(mib):
+                results.append(measure(case, timer))
+            torch.cuda.empty_cache()
+    print_table(results)
+    misses = goal_misses(results)
+    print(
+        f"goals (>= {GOAL_MIN_MIB} MiB in: of copy >= {GOALS}; every kernel faster than plain torch):",
+        "all met" if not misses else f"{len(misses)} missed",
+    )
+    for m in misses:
+        print("  MISSED", m)
+
+    command = "PYTHONPATH=python python " + " ".join(sys.argv)
+    with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
+        json.dump(
+            {
+                "machine": info,
+                "command": command,
+                "goals": GOALS,
+                "results": results,
+                "sweep": sweep_rows,
+                "missed": misses,
+            },
+            f,
+            indent=1,
+        )
+    keys = [k for k in results[0] if k != "torch_all_us"]
+    with open(os.path.join(args.out, "bench_kernels.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(results)
+    if args.plot:
+        plot(
+            results,
+            os.path.join(args.out, "bench_kernels.png"),
+            f"{info['gpu']}, torch {info['torch']}, triton {info['triton']}, {info['date_utc']} UTC",
+        )
+    print(f"wrote {args.out}/bench_kernels.json, .csv" + (", .png" if args.plot else ""))
+
+
+if __name__ == "__main__":
+    main()

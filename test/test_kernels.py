@@ -1,0 +1,306 @@
+"""Triton kernels against their torch references, on CPU under Triton's interpreter (CPU, ~10 s).
+
+Inputs are fresh random draws each run; every failure message carries the seed, and
+SGLANG_NSA_CP_TEST_SEED=<seed> replays it. Outputs are poisoned with 0xAB bytes before each
+call, so an element the kernel should have written but did not fails the comparison.
+
+All comparisons are bitwise, fp8 quantization included, rather than within a tolerance for the
+interpreter's casts: its fp32->fp8 cast is not merely truncating but wrong (it halves values
+whose rounding carries into an odd exponent, and mis-rounds subnormals), and its fma is not
+fused. So under the interpreter the fp8 kernel divides with div_rn and rounds to e4m3 in
+integer arithmetic (torch's round-to-nearest-even), exactly; on GPU it divides through fma
+corrections and converts in hardware, which test_kernels_gpu.py checks bitwise.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+# Not a module-level skip: test_kernels_gpu.py imports this file's helpers.
+pytestmark = pytest.mark.skipif(
+    not triton.knobs.runtime.interpret, reason="CPU kernel tests need TRITON_INTERPRET=1 before triton is imported"
+)
+
+from triton.errors import TritonError  # noqa: E402
+
+from sglang_nsa_cp import kernels  # noqa: E402
+from sglang_nsa_cp.kernels import reference as ref  # noqa: E402
+from sglang_nsa_cp.kernels import triton_kernels as tk  # noqa: E402
+
+POISON = 0xAB
+# (name, dtype, elements per row): the row kinds of the shared-KV path, plus widths that force
+# 1- and 2-byte words and a strided source.
+ROW_KINDS = [
+    ("bf16-latent-1152B", torch.bfloat16, 576),
+    ("fp8-latent-656B", torch.uint8, 656),
+    ("index-132B", torch.uint8, 132),
+    ("index-page-16x132B", torch.uint8, 16 * 132),
+    ("odd-7B", torch.uint8, 7),
+    ("int16-6B", torch.int16, 3),
+]
+
+
+@pytest.fixture
+def seed() -> int:
+    value = int(os.environ.get("SGLANG_NSA_CP_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+    torch.manual_seed(value)
+    return value
+
+
+def random_rows(rows: int, dtype: torch.dtype, width: int) -> torch.Tensor:
+    """Random bytes of every pattern (NaN bit patterns included: rows are moved as bytes)."""
+    nbytes = width * torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (rows, nbytes), dtype=torch.uint8).view(dtype)
+
+
+def poisoned(rows: int, dtype: torch.dtype, width: int) -> torch.Tensor:
+    out = torch.empty((rows, width), dtype=dtype)
+    out.view(torch.uint8).fill_(POISON)
+    return out
+
+
+def assert_bytes_equal(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    got_b, want_b = got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
+    assert got_b.shape == want_b.shape, f"{name}: shape {tuple(got_b.shape)} != {tuple(want_b.shape)}"
+    diff = (got_b != want_b).nonzero()
+    if len(diff):
+        r, c = diff[0].tolist()
+        pytest.fail(
+            f"{name}: {len(diff)} of {got_b.numel()} bytes differ; first at row {r} byte {c}: "
+            f"got {got_b[r, c].item():#04x}, want {want_b[r, c].item():#04x} (poison {POISON:#04x})"
+        )
+
+
+def with_skips(index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    index = index.clone()
+    index[torch.rand(index.shape) < 0.2] = -1
+    return index.to(dtype)
+
+
+# ---- gather / scatter ------------------------------------------------------------------------
+@pytest.mark.parametrize("kind,dtype,width", ROW_KINDS, ids=[k[0] for k in ROW_KINDS])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_gather_rows(seed, kind, dtype, width, index_dtype):
+    src_rows = int(torch.randint(1, 40, ()))
+    n = int(torch.randint(1, 40, ()))
+    src = random_rows(src_rows, dtype, width)
+    index = with_skips(torch.randint(0, src_rows, (n,)), index_dtype)
+    got = tk.gather_rows(src, index, poisoned(n, dtype, width))
+    want = ref.gather_rows(src, index.long(), poisoned(n, dtype, width))
+    assert_bytes_equal(f"gather {kind} {index_dtype} {src_rows=} {n=} {seed=}", got, want)
+
+
+@pytest.mark.parametrize("kind,dtype,width", ROW_KINDS, ids=[k[0] for k in ROW_KINDS])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_scatter_rows(seed, kind, dtype, width, index_dtype):
+    dst_rows = int(torch.randint(1, 40, ()))
+    n = int(torch.randint(1, dst_rows + 1, ()))
+    src = random_rows(n, dtype, width)
+    index = with_skips(torch.randperm(dst_rows)[:n], index_dtype)
+    got = tk.scatter_rows(poisoned(dst_rows, dtype, width), index, src)
+    want = ref.scatter_rows(poisoned(dst_rows, dtype, width), index.long(), src)
+    assert_bytes_equal(f"scatter {kind} {index_dtype} {dst_rows=} {n=} {seed=}", got, want)
+
+
+def test_gather_from_strided_source(seed):
+    """Rows of a wider buffer (a column slice), as a latent view of a packed KV row would be."""
+    wide = random_rows(30, torch.bfloat16, 600)
+    src = wide[:, 8:584]
+    index = with_skips(torch.randint(0, 30, (25,)), torch.int64)
+    got = tk.gather_rows(src, index, poisoned(25, torch.bfloat16, 576))
+    want = ref.gather_rows(src, index, poisoned(25, torch.bfloat16, 576))
+    assert_bytes_equal(f"strided gather {seed=}", got, want)
+
+
+def test_empty_and_all_skipped(seed):
+    src = random_rows(5, torch.uint8, 656)
+    out = poisoned(0, torch.uint8, 656)
+    tk.gather_rows(src, torch.empty(0, dtype=torch.long), out)
+    out = poisoned(4, torch.uint8, 656)
+    tk.gather_rows(src, torch.full((4,), -1), out)
+    assert (out == POISON).all(), f"an all -1 index wrote rows ({seed=})"
+    shard = poisoned(8, torch.uint8, 656)
+    tk.store_owned_rows(shard, torch.full((5,), -1), src, 0, 1, 4)
+    assert (shard == POISON).all(), f"slots -1 were stored ({seed=})"
+
+
+def test_rejects_bad_input():
+    src = torch.zeros(4, 8, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="rows are copied as they are"):
+        tk.gather_rows(src, torch.zeros(2, dtype=torch.long), torch.zeros(2, 8, dtype=torch.int8))
+    with pytest.raises(TypeError, match="int32 or int64"):
+        tk.gather_rows(src, torch.zeros(2, dtype=torch.int16), torch.zeros(2, 8, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="1-D with 3 entries"):
+        tk.scatter_rows(src, torch.zeros(2, dtype=torch.long), torch.zeros(3, 8, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="contiguous rows"):
+        tk.gather_rows(src.t(), torch.zeros(2, dtype=torch.long), torch.zeros(2, 4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="rank < cp_size"):
+        tk.store_owned_rows(src, torch.zeros(4, dtype=torch.long), src, 2, 2, 64)
+
+
+# ---- fused stores ----------------------------------------------------------------------------
+def logical_slots(tokens: int, pages: int, page_size: int) -> torch.Tensor:
+    """out_cache_loc-like slots: runs inside pages taken in random order, a few -1."""
+    order = torch.randperm(pages)
+    slots = (order[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+    start = int(torch.randint(0, page_size, ()))  # a cached prefix that ends mid-page
+    slots = slots[start : start + tokens]
+    slots[torch.rand(slots.shape) < 0.05] = -1
+    return slots
+
+
+STORE_CASES = [(1, 64), (2, 16), (3, 1), (4, 16), (8, 4)]
+
+
+@pytest.mark.parametrize("cp_size,page_size", STORE_CASES)
+@pytest.mark.parametrize("kind,dtype,width", ROW_KINDS[:3], ids=[k[0] for k in ROW_KINDS[:3]])
+def test_store_owned_rows(seed, cp_size, page_size, kind, dtype, width):
+    pages = 4 * cp_size
+    tokens = int(torch.randint(1, pages * page_size - page_size + 1, ()))
+    slots = logical_slots(tokens, pages, page_size)
+    rows = random_rows(tokens, dtype, width)
+    shard_rows = pages // cp_size * page_size
+    for rank in range(cp_size):
+        got = tk.store_owned_rows(poisoned(shard_rows, dtype, width), slots.int(), rows, rank, cp_size, page_size)
+        want = ref.store_owned_rows(poisoned(shard_rows, dtype, width), slots, rows, rank, cp_size, page_size)
+        assert_bytes_equal(f"store {kind} {cp_size=} {page_size=} {rank=} {tokens=} {seed=}", got, want)
+
+
+def bf16_latent(tokens: int) -> torch.Tensor:
+    """Values over many magnitudes per block, exact zeros and a whole zero block."""
+    kv = torch.randn(tokens, 576) * torch.exp(torch.randn(tokens, 1) * 4)
+    kv[torch.rand(kv.shape) < 0.02] = 0.0
+    kv[0, 128:256] = 0.0
+    return kv.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("cp_size,page_size", [(1, 64), (2, 16), (3, 4)])
+def test_store_owned_mla_fp8(seed, cp_size, page_size):
+    pages = 3 * cp_size
+    tokens = int(torch.randint(1, pages * page_size - page_size + 1, ()))
+    slots = logical_slots(tokens, pages, page_size)
+    kv = bf16_latent(tokens)
+    shard_rows = pages // cp_size * page_size
+    for rank in range(cp_size):
+        got = tk.store_owned_mla_fp8(poisoned(shard_rows, torch.uint8, 656), slots, kv, rank, cp_size, page_size)
+        want = ref.store_owned_mla_fp8(poisoned(shard_rows, torch.uint8, 656), slots, kv, rank, cp_size, page_size)
+        assert_bytes_equal(f"fp8 store {cp_size=} {page_size=} {rank=} {tokens=} {seed=}", got, want)
+
+
+def every_bf16_block_value() -> torch.Tensor:
+    """Latent rows whose 128-value blocks each hold 448 (so the scale is exactly 1 and the fp8
+    codes are the values themselves) and then every bf16 value from 2**-12 to 448, both signs:
+    all rounding ties, mantissa carries into the next exponent, and subnormal codes."""
+    bits = torch.arange(0x3980, 0x43E1, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    values = torch.cat([bits, -bits])
+    per_block = 127
+    blocks = -(-values.numel() // per_block)
+    values = torch.cat([values, torch.zeros(blocks * per_block - values.numel(), dtype=torch.bfloat16)])
+    tile = torch.cat([torch.full((blocks, 1), 448.0, dtype=torch.bfloat16), values.view(blocks, per_block)], 1)
+    tile = torch.cat([tile, tile[: (-blocks) % 4]])  # whole rows of four blocks
+    nope = tile.reshape(-1, 512)
+    return torch.cat([nope, torch.randn(nope.shape[0], 64).to(torch.bfloat16)], 1)
+
+
+def test_fp8_rounding_of_every_bf16_value():
+    kv = every_bf16_block_value()
+    slots = torch.arange(kv.shape[0])
+    got = tk.store_owned_mla_fp8(poisoned(kv.shape[0], torch.uint8, 656), slots, kv, 0, 1, 64)
+    want = ref.quantize_mla_fp8(kv)
+    assert_bytes_equal("fp8 rounding of every bf16 value in [2**-12, 448]", got, want)
+
+
+@pytest.mark.parametrize("cp_size,page_size", [(1, 64), (2, 16), (4, 8)])
+def test_store_owned_index_k(seed, cp_size, page_size):
+    pages = 3 * cp_size
+    tokens = int(torch.randint(1, pages * page_size - page_size + 1, ()))
+    slots = logical_slots(tokens, pages, page_size)
+    key = random_rows(tokens, torch.uint8, 128)
+    scale = torch.rand(tokens) * 10
+    local_pages = pages // cp_size
+    for rank in range(cp_size):
+        got = tk.store_owned_index_k(
+            poisoned(local_pages, torch.uint8, page_size * 132), slots, key, scale, rank, cp_size, page_size
+        )
+        want = ref.store_owned_index_k(
+            poisoned(local_pages, torch.uint8, page_size * 132), slots, key, scale, rank, cp_size, page_size
+        )
+        name = f"index-K store {cp_size=} {page_size=} {rank=} {tokens=} {seed=}"
+        assert_bytes_equal(name, got, want)
+        # Round trip through SGLang's page layout: each owned token reads back where it belongs.
+        rows = ref.owned_physical_rows(slots, rank, cp_size, page_size)
+        mine = rows >= 0
+        back_key, back_scale = ref.read_index_k(got, rows[mine], page_size)
+        assert torch.equal(back_key, key[mine]), name
+        assert torch.equal(back_scale, scale[mine]), name
+
+
+# ---- dispatch --------------------------------------------------------------------------------
+@pytest.fixture
+def mode(monkeypatch):
+    def set_mode(value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv(kernels.KERNELS_ENV, raising=False)
+        else:
+            monkeypatch.setenv(kernels.KERNELS_ENV, value)
+        kernels.kernel_mode.cache_clear()
+
+    yield set_mode
+    monkeypatch.delenv(kernels.KERNELS_ENV, raising=False)
+    kernels.kernel_mode.cache_clear()
+    kernels._failed.clear()
+
+
+def test_dispatch_rule(mode):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    mode(None)
+    assert kernels.implementation("gather_rows", cpu) == "torch"
+    assert kernels.implementation("gather_rows", cuda) == "triton"
+    mode("torch")
+    assert kernels.implementation("gather_rows", cuda) == "torch"
+    mode("triton")
+    assert kernels.implementation("gather_rows", cpu) == "triton"
+    mode("cuda")
+    with pytest.raises(ValueError, match="expected one of"):
+        kernels.implementation("gather_rows", cpu)
+
+
+def test_forced_triton_on_cpu_runs_the_kernel(mode, monkeypatch):
+    mode("triton")
+    calls = []
+    monkeypatch.setattr(tk, "gather_rows", lambda *a: calls.append(a) or ref.gather_rows(*a))
+    src = random_rows(4, torch.uint8, 8)
+    kernels.gather_rows(src, torch.tensor([3, -1]), poisoned(2, torch.uint8, 8))
+    assert len(calls) == 1
+
+
+def test_failed_launch_falls_back_once_with_a_warning(mode, monkeypatch):
+    mode(None)
+    monkeypatch.setattr(kernels, "implementation", lambda op, device: "torch" if op in kernels._failed else "triton")
+
+    def broken(*args):
+        raise TritonError("no compiler")
+
+    monkeypatch.setattr(tk, "scatter_rows", broken)
+    src = random_rows(3, torch.uint8, 8)
+    index = torch.tensor([2, -1, 0])
+    with pytest.warns(RuntimeWarning, match="scatter_rows: the Triton kernel failed"):
+        got = kernels.scatter_rows(poisoned(4, torch.uint8, 8), index, src)
+    assert_bytes_equal("fallback result", got, ref.scatter_rows(poisoned(4, torch.uint8, 8), index, src))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kernels.scatter_rows(poisoned(4, torch.uint8, 8), index, src)
+    assert kernels._failed == {"scatter_rows"}
+
+
+def test_bad_input_is_not_a_launch_failure(mode, monkeypatch):
+    mode(None)
+    monkeypatch.setattr(kernels, "implementation", lambda op, device: "triton")
+    with pytest.raises(TypeError, match="rows are copied as they are"):
+        kernels.gather_rows(torch.zeros(2, 4, dtype=torch.uint8), torch.zeros(1, dtype=torch.long), torch.zeros(1, 4))
+    assert not kernels._failed

@@ -1,0 +1,169 @@
+"""Triton kernels against their torch references on CUDA at GLM-5 sizes (GPU, ~20 s on an H200).
+
+Run with TRITON_INTERPRET=0 (conftest.py turns the interpreter on by default). Rows are GLM-5's:
+bf16 latent 576 values (1152 bytes), FlashMLA fp8 656 bytes, index K 128 fp8 bytes + fp32 scale
+(132 bytes), 64-token pages; batches of 8k to 128k tokens. Every comparison is bitwise,
+including fp8 quantization (the kernel's fma division and hardware e4m3 conversion against
+torch's division and rounding). Failure messages carry the seed; SGLANG_NSA_CP_TEST_SEED=<seed>
+replays it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+triton = pytest.importorskip("triton")
+if triton.knobs.runtime.interpret:
+    pytest.skip("GPU kernel tests need TRITON_INTERPRET=0", allow_module_level=True)
+
+from sglang_nsa_cp import kernels  # noqa: E402
+from sglang_nsa_cp.kernels import reference as ref  # noqa: E402
+from sglang_nsa_cp.kernels import triton_kernels as tk  # noqa: E402
+
+from test_kernels import assert_bytes_equal, every_bf16_block_value  # noqa: E402
+
+DEV = torch.device("cuda")
+POISON = 0xAB
+PAGE = 64
+ROW_KINDS = [
+    ("bf16-latent-1152B", torch.bfloat16, 576),
+    ("fp8-latent-656B", torch.uint8, 656),
+    ("index-132B", torch.uint8, 132),
+]
+# (name, dtype, elements per row, tokens per row): token rows and 64-token page rows.
+COPY_KINDS = [(name, dtype, width, 1) for name, dtype, width in ROW_KINDS] + [
+    (f"{name}-page", dtype, PAGE * width, PAGE) for name, dtype, width in ROW_KINDS
+]
+
+
+@pytest.fixture
+def seed() -> int:
+    value = int(os.environ.get("SGLANG_NSA_CP_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+    torch.manual_seed(value)
+    return value
+
+
+def random_rows(rows: int, dtype: torch.dtype, width: int) -> torch.Tensor:
+    nbytes = width * torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (rows, nbytes), dtype=torch.uint8, device=DEV).view(dtype)
+
+
+def poisoned(rows: int, dtype: torch.dtype, width: int) -> torch.Tensor:
+    out = torch.empty((rows, width), dtype=dtype, device=DEV)
+    out.view(torch.uint8).fill_(POISON)
+    return out
+
+
+def with_skips(index: torch.Tensor) -> torch.Tensor:
+    index = index.clone()
+    index[torch.rand(index.shape, device=DEV) < 0.1] = -1
+    return index
+
+
+def logical_slots(tokens: int, pages: int) -> torch.Tensor:
+    order = torch.randperm(pages, device=DEV)
+    slots = (order[:, None] * PAGE + torch.arange(PAGE, device=DEV)).reshape(-1)
+    start = int(torch.randint(0, PAGE, ()))
+    slots = slots[start : start + tokens].clone()
+    slots[torch.rand(slots.shape, device=DEV) < 0.02] = -1
+    return slots
+
+
+@pytest.mark.parametrize("kind,dtype,width,tokens_per_row", COPY_KINDS, ids=[k[0] for k in COPY_KINDS])
+@pytest.mark.parametrize("tokens", [8192, 131072])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_gather_and_scatter(seed, kind, dtype, width, tokens_per_row, tokens, index_dtype):
+    rows = tokens // tokens_per_row
+    src = random_rows(rows, dtype, width)
+    index = with_skips(torch.randperm(rows, device=DEV)).to(index_dtype)
+    name = f"{kind} {tokens=} {index_dtype} {seed=}"
+    got = tk.gather_rows(src, index, poisoned(rows, dtype, width))
+    assert_bytes_equal(f"gather {name}", got, ref.gather_rows(src, index.long(), poisoned(rows, dtype, width)))
+    got = tk.scatter_rows(poisoned(rows, dtype, width), index, src)
+    assert_bytes_equal(f"scatter {name}", got, ref.scatter_rows(poisoned(rows, dtype, width), index.long(), src))
+
+
+@pytest.mark.parametrize("cp_size", [2, 3, 4, 8])
+@pytest.mark.parametrize("kind,dtype,width", ROW_KINDS[:2], ids=[k[0] for k in ROW_KINDS[:2]])
+def test_store_owned_rows(seed, cp_size, kind, dtype, width):
+    tokens, pages = 131072 - 37, 131072 // PAGE + cp_size
+    pages += -pages % cp_size
+    slots = logical_slots(tokens, pages)
+    rows = random_rows(tokens, dtype, width)
+    shard_rows = pages // cp_size * PAGE
+    for rank in (0, cp_size - 1):
+        got = tk.store_owned_rows(poisoned(shard_rows, dtype, width), slots.int(), rows, rank, cp_size, PAGE)
+        want = ref.store_owned_rows(poisoned(shard_rows, dtype, width), slots, rows, rank, cp_size, PAGE)
+        assert_bytes_equal(f"store {kind} {cp_size=} {rank=} {seed=}", got, want)
+
+
+@pytest.mark.parametrize("cp_size,tokens", [(1, 8192), (4, 131072), (8, 131072 - 5)])
+def test_store_owned_mla_fp8(seed, cp_size, tokens):
+    pages = -(-(tokens + PAGE) // PAGE)
+    pages += -pages % cp_size
+    slots = logical_slots(tokens, pages)
+    kv = torch.randn(tokens, 576, device=DEV) * torch.exp(torch.randn(tokens, 1, device=DEV) * 4)
+    kv[torch.rand(kv.shape, device=DEV) < 0.02] = 0.0
+    kv = kv.to(torch.bfloat16)
+    shard_rows = pages // cp_size * PAGE
+    for rank in (0, cp_size - 1):
+        got = tk.store_owned_mla_fp8(poisoned(shard_rows, torch.uint8, 656), slots, kv, rank, cp_size, PAGE)
+        want = ref.store_owned_mla_fp8(poisoned(shard_rows, torch.uint8, 656), slots, kv, rank, cp_size, PAGE)
+        assert_bytes_equal(f"fp8 store {cp_size=} {tokens=} {rank=} {seed=}", got, want)
+
+
+def test_fp8_rounding_of_every_bf16_value():
+    kv = every_bf16_block_value().to(DEV)
+    slots = torch.arange(kv.shape[0], device=DEV)
+    got = tk.store_owned_mla_fp8(poisoned(kv.shape[0], torch.uint8, 656), slots, kv, 0, 1, PAGE)
+    assert_bytes_equal("fp8 rounding of every bf16 value in [2**-12, 448]", got, ref.quantize_mla_fp8(kv))
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 8])
+def test_store_owned_index_k(seed, cp_size):
+    tokens = 131072 - 11
+    pages = tokens // PAGE + 2
+    pages += -pages % cp_size
+    slots = logical_slots(tokens, pages)
+    key = random_rows(tokens, torch.uint8, 128)
+    scale = torch.rand(tokens, device=DEV) * 10
+    for rank in (0, cp_size - 1):
+        got = tk.store_owned_index_k(
+            poisoned(pages // cp_size, torch.uint8, PAGE * 132), slots, key, scale, rank, cp_size, PAGE
+        )
+        want = ref.store_owned_index_k(
+            poisoned(pages // cp_size, torch.uint8, PAGE * 132), slots, key, scale, rank, cp_size, PAGE
+        )
+        name = f"index-K store {cp_size=} {rank=} {seed=}"
+        assert_bytes_equal(name, got, want)
+        rows = ref.owned_physical_rows(slots, rank, cp_size, PAGE)
+        mine = rows >= 0
+        back_key, back_scale = ref.read_index_k(got, rows[mine], PAGE)
+        assert torch.equal(back_key, key[mine]) and torch.equal(back_scale, scale[mine]), name
+
+
+def test_offsets_past_2_31(seed):
+    """A 2.1 GB byte-row source (1-byte words): offsets need int64."""
+    width = 1027
+    rows = 2**31 // width + 64
+    src = torch.empty((rows, width), dtype=torch.uint8, device=DEV)
+    tail = src[-64:]
+    tail.copy_(random_rows(64, torch.uint8, width))
+    index = torch.arange(rows - 64, rows, device=DEV).flip(0)
+    got = tk.gather_rows(src, index, poisoned(64, torch.uint8, width))
+    assert_bytes_equal(f"gather past 2**31 bytes {seed=}", got, tail.flip(0))
+    out = poisoned(rows, torch.uint8, width)
+    tk.scatter_rows(out, index, got)
+    assert_bytes_equal(f"scatter past 2**31 bytes {seed=}", out[-64:], tail)
+
+
+def test_auto_dispatch_uses_triton_on_cuda():
+    kernels.kernel_mode.cache_clear()
+    assert kernels.implementation("store_owned_rows", DEV) == (
+        "torch" if kernels.kernel_mode() == "torch" else "triton"
+    )
