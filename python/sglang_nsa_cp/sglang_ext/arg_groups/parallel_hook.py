@@ -1,0 +1,210 @@
+"""Start-up validation of `--enable-nsa-prefill-cp-shared-kv`. Mirrors
+`sglang/srt/arg_groups/parallel_hook.py`, whose resolution steps it wraps.
+
+Resolution hooks (`sglang.srt.arg_groups.resolution_hooks.register_resolution_hook`):
+- `validate_prefill_cp_platform`: runs before SGLang's early return for `--model-path dummy`,
+  so a flag that could never be validated is refused instead of ignored.
+- `handle_context_parallelism`: the full check, before SGLang's own CP checks and before
+  `init_cp_strategy`. Page size, attention backends, KV dtype and HiCache are resolved by then.
+- `handle_kv_cache_sharding`: the same check again; SGLang runs this step right after CP and once
+  more at the very end of resolution, after late capability adjustments that can still change
+  the attention backend or speculative settings.
+
+All of it runs inside `ServerArgs.resolve_once()`, i.e. in the launcher (`launch_server`,
+`Engine`) before any scheduler process starts or any weight is loaded. Every problem found is
+reported in one `SharedKVConfigError` (a ValueError, as SGLang's own resolution errors), each
+with its fix. On success the resolved decision is written to the record as `_nsa_cp_shared_kv`
+(bookkeeping attribute, pickled to the schedulers), which is what the runtime hooks read.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from sglang.srt.arg_groups.overrides import model_config_of, resolving_view
+from sglang.srt.model_executor.cuda_graph_config import Backend
+
+from sglang_nsa_cp.sglang_ext.server_args import ATTR, FLAG, requested
+
+logger = logging.getLogger(__name__)
+
+SGLANG_VERSION = "0.5.23"
+SUPPORTED_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+SUPPORTED_CP_STRATEGIES = ("interleave",)
+SUPPORTED_KV_CACHE_DTYPES = ("bfloat16", "bf16")
+SUPPORTED_DSA_PREFILL_BACKENDS = ("flashmla_sparse",)
+DSA_PAGE_SIZE = 64
+
+
+class SharedKVConfigError(ValueError):
+    """Server arguments that shared-KV prefill CP cannot run with."""
+
+
+def check_sglang_version() -> str | None:
+    """The one SGLang version check: hooks target 0.5.23's private functions and layouts."""
+    from sglang.version import __version__
+
+    if __version__ != SGLANG_VERSION:
+        return (
+            f"this plugin hooks SGLang {SGLANG_VERSION} internals but SGLang {__version__} is "
+            f"installed; install sglang=={SGLANG_VERSION} or an sglang-nsa-cp release for "
+            f"{__version__}"
+        )
+    return None
+
+
+def _model_problems(server_args: Any) -> list[str]:
+    from sglang.srt.configs.model_config import get_dsa_index_kpool, get_dsa_index_kpool_compress, is_deepseek_dsa
+
+    hf_config = model_config_of(server_args).hf_config
+    archs = getattr(hf_config, "architectures", None) or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_ARCHITECTURES or not is_deepseek_dsa(hf_config):
+        return [
+            f"needs a DSA model, one of {SUPPORTED_ARCHITECTURES} with an indexer (index_topk) in "
+            f"its config.json; got architecture {arch!r}; serve DeepSeek-V3.2 or GLM-5, or drop {FLAG}"
+        ]
+    if get_dsa_index_kpool(hf_config) != 1 or get_dsa_index_kpool_compress(hf_config):
+        return [
+            f"does not support pooled indexer keys yet (config index_kpool="
+            f"{get_dsa_index_kpool(hf_config)}, index_kpool_compress="
+            f"{get_dsa_index_kpool_compress(hf_config)}); serve a model with index_kpool 1 or drop {FLAG}"
+        ]
+    return []
+
+
+def find_problems(server_args: Any) -> list[str]:
+    """Every reason the resolved arguments cannot run shared-KV prefill CP, each with its fix."""
+    cfg = resolving_view(server_args)
+    problems = []
+    version = check_sglang_version()
+    if version:
+        problems.append(version)
+    if str(cfg.model_path).lower() in ("none", "dummy"):
+        return problems + [f"needs a real DSA checkpoint, got --model-path {cfg.model_path}; pass the model or drop {FLAG}"]
+    problems += _model_problems(server_args)
+
+    if not cfg.enable_prefill_cp or cfg.attn_cp_size <= 1:
+        problems.append(
+            f"needs prefill CP (got --enable-prefill-cp {bool(cfg.enable_prefill_cp)}, --attn-cp-size "
+            f"{cfg.attn_cp_size}); add --enable-prefill-cp --cp-strategy interleave --attn-cp-size N with N > 1, "
+            f"or drop {FLAG}"
+        )
+    if cfg.enable_prefill_cp and cfg.cp_strategy not in SUPPORTED_CP_STRATEGIES:
+        problems.append(
+            f"supports --cp-strategy {'/'.join(SUPPORTED_CP_STRATEGIES)} only, got {cfg.cp_strategy!r} "
+            "(SGLang's DSA CUDA path wires only interleave; its zigzag writes KV straight into the pool "
+            "and rejects DeepSeek-V3.2); use --cp-strategy interleave"
+        )
+    if cfg.page_size != DSA_PAGE_SIZE:
+        problems.append(f"needs the DSA page size {DSA_PAGE_SIZE}, got --page-size {cfg.page_size}; use --page-size {DSA_PAGE_SIZE}")
+    if cfg.enable_dsa_cache_layer_split:
+        problems.append(
+            "cannot be combined with --enable-dsa-cache-layer-split (a second way of de-replicating the "
+            "same cache); drop one of the two flags"
+        )
+    if cfg.enable_kv_cache_sharding:
+        problems.append(
+            "cannot be combined with --enable-kv-cache-sharding (SGLang's own page-interleaved pool would "
+            "replace ours); drop one of the two flags"
+        )
+    if cfg.disaggregation_mode != "prefill":
+        problems.append(
+            f"runs only on a PD prefill instance (got --disaggregation-mode {cfg.disaggregation_mode}): each "
+            "rank keeps only its own pages, so decoding on this instance would re-gather the whole context "
+            "every token; add --disaggregation-mode prefill and serve decode from a separate non-CP instance"
+        )
+    elif cfg.disaggregation_transfer_backend != "mooncake":
+        problems.append(
+            f"ships owned pages over Mooncake only, got --disaggregation-transfer-backend "
+            f"{cfg.disaggregation_transfer_backend}; use --disaggregation-transfer-backend mooncake"
+        )
+    if cfg.device != "cuda":
+        problems.append(f"runs on CUDA only, got --device {cfg.device}; use --device cuda")
+    if cfg.attention_backend != "dsa" or cfg.prefill_attention_backend not in (None, "dsa"):
+        problems.append(
+            f"needs the dsa attention backend, got --attention-backend {cfg.attention_backend} "
+            f"(prefill {cfg.prefill_attention_backend}); leave both unset for DSA models"
+        )
+    if cfg.dsa_prefill_backend not in SUPPORTED_DSA_PREFILL_BACKENDS:
+        problems.append(
+            f"supports --dsa-prefill-backend {'/'.join(SUPPORTED_DSA_PREFILL_BACKENDS)} only (the page-table "
+            f"readers of the bf16 latent cache), got {cfg.dsa_prefill_backend!r}; use --dsa-prefill-backend flashmla_sparse"
+        )
+    if cfg.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+        problems.append(
+            f"supports a bf16 KV cache only for now, got --kv-cache-dtype {cfg.kv_cache_dtype} (the fp8 "
+            "FlashMLA row is stored but not yet wired); add --kv-cache-dtype bfloat16"
+        )
+    if cfg.enable_hierarchical_cache or cfg.enable_hisparse or cfg.enable_lmcache:
+        problems.append(
+            "does not support HiCache, HiSparse or LMCache yet (they copy whole pages of the pool, while "
+            "each rank holds only its own pages); drop --enable-hierarchical-cache/--enable-hisparse/--enable-lmcache"
+        )
+    if cfg.speculative_algorithm is not None:
+        problems.append(
+            f"does not support speculative decoding yet (got --speculative-algorithm {cfg.speculative_algorithm}: "
+            "the draft model needs every token's hidden state and its own pool); drop it on the prefill instance"
+        )
+    if cfg.pp_size != 1:
+        problems.append(f"does not support pipeline parallelism yet, got --pp-size {cfg.pp_size}; use --pp-size 1")
+    if cfg.dcp_size != 1:
+        problems.append(f"does not support decode context parallelism, got --dcp-size {cfg.dcp_size}; use --dcp-size 1")
+    if cfg.attn_dp_size != 1:
+        problems.append(
+            f"supports one CP group per instance for now, got --attn-dp-size {cfg.attn_dp_size}; use --attn-dp-size 1"
+        )
+    if cfg.enable_layernorm_sp:
+        problems.append(
+            "does not support --enable-layernorm-sp yet (it re-gathers the sequence-sharded residual before the "
+            "LM head, where the narrow tail gather hands over only last-token rows); drop it"
+        )
+    if cfg.enable_two_batch_overlap:
+        problems.append(
+            "does not support --enable-two-batch-overlap (it rebuilds attention metadata per micro-batch, "
+            "which replaces the pool's per-batch dense plan); drop it"
+        )
+    if cfg.cuda_graph_config.prefill.backend != Backend.DISABLED:
+        problems.append(
+            f"needs eager prefill (the per-batch page all-gather has data-dependent sizes), got prefill CUDA "
+            f"graph backend {cfg.cuda_graph_config.prefill.backend!r}; add --cuda-graph-backend-prefill disabled"
+        )
+    return problems
+
+
+def validate(server_args: Any) -> None:
+    """Raise `SharedKVConfigError` listing every problem, or record the resolved decision."""
+    if not requested(server_args):
+        return
+    problems = find_problems(server_args)
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise SharedKVConfigError(f"{FLAG}: {len(problems)} problem(s) with the server arguments:\n{lines}")
+    if not getattr(server_args, ATTR, False):
+        # Bookkeeping attributes stay writable during resolution and are pickled to schedulers.
+        setattr(server_args, ATTR, True)
+        logger.info("%s: shared-KV prefill CP enabled (attn_cp_size=%d)", FLAG, resolving_view(server_args).attn_cp_size)
+
+
+def refuse_unvalidatable(server_args: Any, previous: Callable[[Any], None]) -> None:
+    """`validate_prefill_cp_platform`: SGLang returns early for dummy models, before the full check."""
+    cfg = resolving_view(server_args)
+    if requested(server_args) and str(cfg.model_path).lower() in ("none", "dummy"):
+        raise SharedKVConfigError(
+            f"{FLAG}: needs a real DSA checkpoint, got --model-path {cfg.model_path}; pass the model or drop {FLAG}"
+        )
+    previous(server_args)
+
+
+def validate_then(server_args: Any, previous: Callable[[Any], None]) -> None:
+    """Our check first (so its message, not a later generic one, names the problem), then SGLang's step."""
+    validate(server_args)
+    previous(server_args)
+
+
+RESOLUTION_HOOKS = [
+    ("validate_prefill_cp_platform", refuse_unvalidatable),
+    ("handle_context_parallelism", validate_then),
+    ("handle_kv_cache_sharding", validate_then),
+]

@@ -1,0 +1,83 @@
+"""The narrow tail gather. Mirrors `sglang/srt/layers/cp/utils.py`.
+
+Target: `sglang.srt.layers.cp.utils.cp_gather_after_forward` (AROUND), called by
+`EagerRunner._execute_extend_cp` once per CP prefill batch, between the model body and the logits
+processor. Today it all-gathers every token's hidden state (total_tokens x hidden). When the
+batch needs only each request's last token (no input logprobs, no hidden-state capture, no
+speculative or multi-item scoring work), the hook gathers one row per request per rank
+(N x bs x hidden, `comm.gather_last_token_hidden`, the original design's
+`cp_collect_last_token_hidden`) and returns them in request order, [bs, hidden]; the logits
+processor hook (`layers/logits_processor.py`) then takes them as already pruned.
+
+The choice is a pure function of the batch (every CP rank holds the same ForwardBatch), so all
+ranks issue the same collective. SGLang's interleave split and our `plan_split(..., "interleave")`
+assign the same tokens in the same local order (test/test_split_matches_sglang.py), so the plan
+names each request's last-token row on its rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_nsa_cp.comm import gather_last_token_hidden
+from sglang_nsa_cp.layout import plan_split
+from sglang_nsa_cp.sglang_ext.server_args import is_enabled
+
+_PLAN_ATTR = "_nsa_cp_tail_plan"
+
+
+def needs_only_last_tokens(forward_batch) -> bool:
+    """True when the logits processor will read only each request's last hidden row."""
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+
+    return (
+        forward_batch.forward_mode == ForwardMode.EXTEND
+        and not forward_batch.return_logprob
+        and forward_batch.capture_hidden_mode == CaptureHiddenMode.NULL
+        and forward_batch.spec_info is None
+        and getattr(forward_batch, "multi_item_delimiter_indices", None) is None
+        and getattr(forward_batch, "token_indices_to_pool", None) is None
+        and not getattr(forward_batch, "attn_tp_sequence_sharded", False)
+        and getattr(forward_batch, "mm_input_embeds", None) is None
+    )
+
+
+def can_gather_narrow(x, forward_batch) -> bool:
+    from sglang.srt.layers.cp.base import is_interleave
+    from sglang.srt.runtime_context import get_parallel
+
+    return (
+        is_enabled()
+        and isinstance(x, torch.Tensor)
+        and is_interleave()
+        and get_parallel().attn_dp_size == 1
+        and needs_only_last_tokens(forward_batch)
+    )
+
+
+def tail_plan(forward_batch, cp_size: int):
+    """The batch's split plan (SGLang's interleave), built once per batch."""
+    plan = getattr(forward_batch, _PLAN_ATTR, None)
+    if plan is None or plan.cp_size != cp_size:
+        plan = plan_split(
+            [int(n) for n in forward_batch.extend_seq_lens_cpu],
+            [int(n) for n in forward_batch.extend_prefix_lens_cpu],
+            cp_size,
+            "interleave",
+        )
+        setattr(forward_batch, _PLAN_ATTR, plan)
+    return plan
+
+
+def cp_gather_after_forward(original, x, forward_batch, stream=None):
+    """AROUND `cp_gather_after_forward`: [bs, hidden] last-token rows when that is all the batch needs."""
+    if not can_gather_narrow(x, forward_batch):
+        return original(x, forward_batch, stream)
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    plan = tail_plan(forward_batch, parallel.attn_cp_size)
+    return gather_last_token_hidden(x, plan, parallel.attn_cp_rank, parallel.attn_cp_group.device_group)
+
+
+HOOKS = [("sglang.srt.layers.cp.utils.cp_gather_after_forward", cp_gather_after_forward, "AROUND")]

@@ -1,0 +1,75 @@
+"""Build the shared-KV DSA pool. Mirrors `sglang/srt/mem_cache/kv_cache_configurator.py`.
+
+Targets (both pass-through unless shared KV is enabled, and never for a draft worker):
+- `KVCacheConfigurator._derive_pool_sizes` (AROUND): SGLang sizes the pool from the bytes one
+  rank can spend per token. A shared-KV rank spends them on 1/N of the logical pages, so the same
+  budget holds N x the tokens: the logical `max_total_num_tokens` (what the allocator hands out
+  and the scheduler reports) is multiplied by attn_cp_size. The per-rank bytes do not change.
+- `KVCacheConfigurator._build_dsa_kv_pool` (AROUND): SGLang's DSA pool class becomes
+  `SharedKVDSATokenToKVPool` bound to this rank's CP group.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import msgspec
+
+from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import SharedKVDSATokenToKVPool
+from sglang_nsa_cp.sglang_ext.server_args import is_enabled
+
+
+def _applies(configurator) -> bool:
+    if not is_enabled() or configurator.is_draft_worker:
+        return False
+    from sglang.srt.configs.model_config import is_deepseek_dsa
+
+    return is_deepseek_dsa(configurator.model_config.hf_config)
+
+
+def derive_pool_sizes(original, self, *, config):
+    """AROUND `_derive_pool_sizes`: logical capacity = per-rank capacity x attn_cp_size."""
+    sizes = original(self, config=config)
+    if not _applies(self):
+        return sizes
+    from sglang.srt.runtime_context import get_parallel
+
+    return msgspec.structs.replace(sizes, max_total_num_tokens=sizes.max_total_num_tokens * get_parallel().attn_cp_size)
+
+
+def build_dsa_kv_pool(original, self, *, max_total_num_tokens, max_running_requests, dsa_pool_class):
+    """AROUND `_build_dsa_kv_pool`: build `SharedKVDSATokenToKVPool` for this CP rank."""
+    if not _applies(self):
+        return original(
+            self,
+            max_total_num_tokens=max_total_num_tokens,
+            max_running_requests=max_running_requests,
+            dsa_pool_class=dsa_pool_class,
+        )
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    pool_class = functools.partial(
+        SharedKVDSATokenToKVPool,
+        cp_rank=parallel.attn_cp_rank,
+        cp_size=parallel.attn_cp_size,
+        cp_group=parallel.attn_cp_group.device_group,
+    )
+    pool = original(
+        self,
+        max_total_num_tokens=max_total_num_tokens,
+        max_running_requests=max_running_requests,
+        dsa_pool_class=pool_class,
+    )
+    if not isinstance(pool, SharedKVDSATokenToKVPool):
+        raise RuntimeError(
+            f"SGLang built {type(pool).__name__} instead of the shared-KV pool: another pool option "
+            "(KV sharding, layer split, HiSparse) took precedence; start-up validation should have refused it"
+        )
+    return pool
+
+
+HOOKS = [
+    ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._derive_pool_sizes", derive_pool_sizes, "AROUND"),
+    ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_dsa_kv_pool", build_dsa_kv_pool, "AROUND"),
+]

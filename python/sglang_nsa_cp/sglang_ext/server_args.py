@@ -1,0 +1,73 @@
+"""The `--enable-nsa-prefill-cp-shared-kv` flag. Mirrors `sglang/srt/server_args.py`.
+
+Targets:
+- `sglang.srt.server_args.ServerArgs.add_cli_args` (AFTER): adds the flag to the parser, so it
+  shows in `--help` and works in `--config` YAML files.
+- `sglang.srt.server_args.ServerArgs.from_cli_args` (AROUND): copies the parsed value onto the
+  record as the bookkeeping attribute `_nsa_cp_shared_kv_requested`.
+
+ServerArgs is a msgspec struct assembled from SGLang's field namespaces; there is no public way to
+add a field. Underscore attributes are bookkeeping: ServerArgs allows them at any time and
+`ServerArgs.__reduce__` pickles them, so the value reaches every scheduler process. `Engine(**kw)`
+builds ServerArgs without a parser, hence the env var `SGLANG_NSA_CP_SHARED_KV=1`. The request
+(flag or env var) is validated during resolution (`arg_groups/parallel_hook.py`), which then
+writes the decision `_nsa_cp_shared_kv = True`; the runtime hooks read only that decision.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from sglang_nsa_cp.sglang_ext.environ import envs
+
+FLAG = "--enable-nsa-prefill-cp-shared-kv"
+REQUEST_ATTR = "_nsa_cp_shared_kv_requested"  # what the operator asked for (CLI)
+ATTR = "_nsa_cp_shared_kv"  # the validated decision the runtime reads
+_DEST = "enable_nsa_prefill_cp_shared_kv"
+
+HELP = (
+    "Keep one shared copy of the DSA KV cache (MLA latent and indexer keys) per prefill CP "
+    "group instead of one per rank: each CP rank stores the pages it owns and the dense view "
+    "is rebuilt per layer with one all-gather of owned pages. Needs a DSA model "
+    "(DeepSeek-V3.2, GLM-5), --enable-prefill-cp --cp-strategy interleave --attn-cp-size N>1 "
+    "and --disaggregation-mode prefill with --disaggregation-transfer-backend mooncake. "
+    "Provided by the sglang-nsa-cp plugin; SGLANG_NSA_CP_SHARED_KV=1 is the same for "
+    "sglang.Engine users."
+)
+
+
+def add_cli_args(result, parser: argparse.ArgumentParser) -> None:
+    """AFTER hook on `ServerArgs.add_cli_args`: declare the flag (once per parser)."""
+    if any(FLAG in action.option_strings for action in parser._actions):
+        return
+    parser.add_argument(FLAG, dest=_DEST, action="store_true", default=False, help=HELP)
+
+
+def from_cli_args(original, cls, args: argparse.Namespace):
+    """AROUND hook on `ServerArgs.from_cli_args`: carry the flag on the record."""
+    server_args = original(cls, args)
+    setattr(server_args, REQUEST_ATTR, bool(getattr(args, _DEST, False)))
+    return server_args
+
+
+def requested(server_args) -> bool:
+    """Whether the operator asked for shared KV: the flag, or SGLANG_NSA_CP_SHARED_KV=1."""
+    return bool(getattr(server_args, REQUEST_ATTR, False)) or envs.SGLANG_NSA_CP_SHARED_KV.get()
+
+
+def is_enabled() -> bool:
+    """Whether this process runs with shared KV (the resolved decision on the published
+    ServerArgs). Processes without published ServerArgs (unit tests, tools) read the env var."""
+    from sglang.srt.runtime_context import get_server_args
+
+    try:
+        server_args = get_server_args()
+    except ValueError:  # "Global server args is not set yet!"
+        return envs.SGLANG_NSA_CP_SHARED_KV.get()
+    return bool(getattr(server_args, ATTR, False))
+
+
+HOOKS = [
+    ("sglang.srt.server_args.ServerArgs.add_cli_args", add_cli_args, "AFTER"),
+    ("sglang.srt.server_args.ServerArgs.from_cli_args", from_cli_args, "AROUND"),
+]

@@ -1,0 +1,266 @@
+"""CPU, ~40 s: the plugin's registration, the `--enable-nsa-prefill-cp-shared-kv` flag and its
+start-up validation, inside SGLang 0.5.23 (sglang_ext/__init__.py, server_args.py,
+arg_groups/parallel_hook.py).
+
+The plugin is loaded the way SGLang loads it: `load_plugins()` discovers the
+`sglang.srt.plugins` entry point of the installed package. Validation runs in SGLang's real
+resolution pipeline (`ServerArgs.resolve_once`) on tiny config.json-only model directories; the
+only stand-in is `torch.cuda.get_device_capability`, patched to an SM90 GPU so that resolution
+(which asks the GPU for its defaults) runs on a CPU machine. Two subprocess tests run
+`python -m sglang.launch_server` itself.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import json  # noqa: E402
+import pickle  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+FLAG = "--enable-nsa-prefill-cp-shared-kv"
+
+_TINY_DSA = {
+    "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 8, "n_shared_experts": 1,
+    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 128, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64,
+    "vocab_size": 1024, "max_position_embeddings": 4096, "rope_theta": 10000, "rms_norm_eps": 1e-6,
+    "torch_dtype": "bfloat16", "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+}  # fmt: skip
+_MODELS = {
+    "v32": ("DeepseekV32ForCausalLM", "deepseek_v32", True),
+    "glm5": ("GlmMoeDsaForCausalLM", "glm_moe_dsa", True),
+    "v3": ("DeepseekV3ForCausalLM", "deepseek_v3", False),  # MLA without the DSA indexer
+}
+# A supported deployment: one CP8 PD-prefill instance (flag -> value; None: a switch).
+GOOD = {"--tp": "8", "--enable-prefill-cp": None, "--cp-strategy": "interleave", "--attn-cp-size": "8",
+        "--device": "cuda", "--disaggregation-mode": "prefill"}  # fmt: skip
+DROP = object()
+
+
+def _argv(model_path, changes=None):
+    args = dict(GOOD, **(changes or {}))
+    argv = ["--model-path", model_path]
+    for flag, value in args.items():
+        if value is not DROP:
+            argv += [flag] if value is None else [flag, value]
+    return argv + [FLAG]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    paths = {}
+    for name, (arch, model_type, dsa) in _MODELS.items():
+        config = dict(_TINY_DSA, architectures=[arch], model_type=model_type)
+        if not dsa:
+            for key in ("index_topk", "index_head_dim", "index_n_heads"):
+                config.pop(key)
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
+        paths[name] = str(root / name)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def plugin():
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # entry-point discovery, register(), HookRegistry.apply_hooks()
+    import sglang_nsa_cp.sglang_ext as ext
+
+    return ext
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    monkeypatch.delenv("SGLANG_NSA_CP_SHARED_KV", raising=False)
+    from sglang.srt.layers.cp import base as cp_base
+
+    saved = cp_base._STRATEGY  # resolution installs the process-wide CP strategy
+    yield
+    cp_base._STRATEGY = saved
+
+
+def _resolve(argv):
+    from sglang.srt.server_args import prepare_server_args
+
+    server_args = prepare_server_args(argv)
+    server_args.resolve_once()
+    return server_args
+
+
+def test_register_installs_every_hook(plugin):
+    from sglang.srt.arg_groups import resolution_hooks
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    for module in plugin.hook_modules():
+        for target, hook, _ in getattr(module, "HOOKS", ()):
+            assert target in HookRegistry._patched, f"{target} not patched"
+            assert any(h is hook for _, h, _ in HookRegistry._hooks[target]), f"{hook.__name__} not on {target}"
+        for step, hook in getattr(module, "RESOLUTION_HOOKS", ()):
+            assert hook in resolution_hooks._HOOKS[step], f"{hook.__name__} not on step {step}"
+    plugin.register()  # a second call (a second load_plugins in the process) registers nothing twice
+    from sglang_nsa_cp.sglang_ext.arg_groups.parallel_hook import validate_then
+
+    assert resolution_hooks._HOOKS["handle_context_parallelism"].count(validate_then) == 1
+
+
+def test_launch_server_help_lists_the_flag():
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert FLAG in out.stdout, "flag missing from --help"
+    assert "Failed to execute general plugin" not in out.stderr, out.stderr[-2000:]
+
+
+def test_flag_parses_and_survives_pickling(plugin, models):
+    from sglang.srt.server_args import prepare_server_args
+
+    from sglang_nsa_cp.sglang_ext.server_args import REQUEST_ATTR
+
+    on = prepare_server_args(_argv(models["v32"]))
+    off = prepare_server_args(["--model-path", models["v32"]])
+    assert getattr(on, REQUEST_ATTR) is True and getattr(off, REQUEST_ATTR) is False
+    assert getattr(pickle.loads(pickle.dumps(on)), REQUEST_ATTR) is True  # what scheduler processes receive
+
+
+@pytest.mark.parametrize("model", ["v32", "glm5"])
+def test_supported_configuration_resolves_enabled_and_reaches_the_schedulers(plugin, models, sm90, model):
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    from sglang_nsa_cp.sglang_ext.server_args import ATTR
+
+    server_args = _resolve(_argv(models[model]))
+    assert getattr(server_args, ATTR) is True
+    assert getattr(pickle.loads(pickle.dumps(server_args)), ATTR) is True
+    cfg = resolving_view(server_args)
+    assert (cfg.page_size, cfg.dsa_prefill_backend, cfg.kv_cache_dtype) == (64, "flashmla_sparse", "bfloat16")
+    # without the flag nothing changes
+    assert not getattr(_resolve(_argv(models[model])[:-1]), ATTR, False)
+
+
+def test_env_var_enables_it_for_engine_users(plugin, models, sm90, monkeypatch):
+    """`sglang.Engine(**kwargs)` builds ServerArgs without the parser: the env var asks instead."""
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_nsa_cp.sglang_ext.server_args import ATTR
+
+    kwargs = dict(model_path=models["glm5"], tp_size=8, enable_prefill_cp=True, cp_strategy="interleave",
+                  attn_cp_size=8, device="cuda", disaggregation_mode="prefill")  # fmt: skip
+    monkeypatch.setenv("SGLANG_NSA_CP_SHARED_KV", "1")
+    server_args = ServerArgs(**kwargs)
+    server_args.resolve_once()
+    assert getattr(server_args, ATTR) is True
+    from sglang_nsa_cp.sglang_ext.arg_groups.parallel_hook import SharedKVConfigError
+
+    with pytest.raises(SharedKVConfigError, match="runs only on a PD prefill instance"):
+        ServerArgs(**dict(kwargs, disaggregation_mode="null")).resolve_once()
+
+
+# (name, model, changes to GOOD, expected message)
+BAD = [
+    ("not a DSA model", "v3", {}, "needs a DSA model"),
+    ("no prefill CP", "v32", {"--enable-prefill-cp": DROP, "--attn-cp-size": "1"}, "needs prefill CP"),
+    ("zigzag", "glm5", {"--cp-strategy": "zigzag"}, "supports --cp-strategy interleave only"),
+    ("layer split", "glm5", {"--enable-dsa-cache-layer-split": None}, "cannot be combined with --enable-dsa-cache-layer-split"),
+    ("kv sharding", "v32", {"--enable-kv-cache-sharding": None}, "cannot be combined with --enable-kv-cache-sharding"),
+    ("colocated", "v32", {"--disaggregation-mode": DROP}, "runs only on a PD prefill instance"),
+    ("nixl", "v32", {"--disaggregation-transfer-backend": "nixl"}, "ships owned pages over Mooncake only"),
+    ("fp8 KV", "v32", {"--kv-cache-dtype": "fp8_e4m3"}, "supports a bf16 KV cache only"),
+    ("tilelang", "v32", {"--dsa-prefill-backend": "tilelang"}, "supports --dsa-prefill-backend flashmla_sparse only"),
+    ("HiCache", "v32", {"--enable-hierarchical-cache": None}, "does not support HiCache"),
+    ("speculative", "glm5", {"--speculative-algorithm": "EAGLE"}, "does not support speculative decoding"),
+    ("PP", "v32", {"--pp-size": "2"}, "does not support pipeline parallelism"),
+    ("TBO", "v32", {"--enable-two-batch-overlap": None}, "does not support --enable-two-batch-overlap"),
+    ("LayerNorm SP", "v32", {"--enable-layernorm-sp": None}, "does not support --enable-layernorm-sp"),
+    ("dummy model", "dummy", {}, "needs a real DSA checkpoint"),
+]
+
+
+@pytest.mark.parametrize("name,model,changes,message", BAD, ids=[b[0] for b in BAD])
+def test_bad_combination_is_refused_with_its_fix(plugin, models, sm90, name, model, changes, message):
+    from sglang_nsa_cp.sglang_ext.arg_groups.parallel_hook import SharedKVConfigError
+
+    argv = _argv(models.get(model, model), changes)
+    with pytest.raises(SharedKVConfigError) as err:
+        _resolve(argv)
+    assert message in str(err.value), f"{name}: {argv}\n{err.value}"
+    problems = [line for line in str(err.value).splitlines() if line.startswith("  - ")] or [str(err.value)]
+    assert all("; " in p for p in problems), f"{name}: a problem without its fix:\n{err.value}"
+
+
+def test_page_size_other_than_64_is_refused():
+    """SGLang forces page 64 for DSA models before our check runs, so the check is exercised on a
+    resolved view directly."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from sglang_nsa_cp.sglang_ext.arg_groups import parallel_hook
+
+    view = SimpleNamespace(
+        model_path="m", enable_prefill_cp=True, attn_cp_size=8, cp_strategy="interleave", page_size=128,
+        enable_dsa_cache_layer_split=False, enable_kv_cache_sharding=False, disaggregation_mode="prefill",
+        disaggregation_transfer_backend="mooncake", device="cuda", attention_backend="dsa",
+        prefill_attention_backend=None, dsa_prefill_backend="flashmla_sparse", kv_cache_dtype="bfloat16",
+        enable_hierarchical_cache=False, enable_hisparse=False, enable_lmcache=False, speculative_algorithm=None,
+        pp_size=1, dcp_size=1, attn_dp_size=1, enable_two_batch_overlap=False, enable_layernorm_sp=False,
+        cuda_graph_config=SimpleNamespace(prefill=SimpleNamespace(backend="disabled")),
+    )  # fmt: skip
+    with mock.patch.object(parallel_hook, "resolving_view", lambda sa: view), mock.patch.object(
+        parallel_hook, "_model_problems", lambda sa: []
+    ):
+        assert parallel_hook.find_problems(object()) == [
+            "needs the DSA page size 64, got --page-size 128; use --page-size 64"
+        ]
+        view.page_size = 64
+        assert parallel_hook.find_problems(object()) == []
+
+
+def test_launch_server_exits_with_the_error_before_loading_anything(models):
+    """`python -m sglang.launch_server` itself (SM90 capability patched in): exit code 1, our
+    message, and no sign of a scheduler, distributed init or weight loading."""
+    code = (
+        "import sys, runpy, torch\n"
+        "torch.cuda.get_device_capability = lambda *a, **k: (9, 0)\n"
+        "sys.argv = ['sglang.launch_server'] + sys.argv[1:]\n"
+        "runpy.run_module('sglang.launch_server', run_name='__main__')\n"
+    )
+    argv = _argv(models["v32"], {"--disaggregation-mode": DROP})  # colocated
+    out = subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=180,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+    )  # fmt: skip
+    log = out.stdout + out.stderr
+    assert out.returncode != 0, log[-3000:]
+    assert "SharedKVConfigError" in log and "runs only on a PD prefill instance" in log, log[-3000:]
+    for sign in ("Init torch distributed", "Load weight", "scheduler", "Memory pool"):
+        assert sign not in log, f"{sign!r} in the log: something started before validation\n{log[-3000:]}"
+
+
+def test_prefill_kv_manager_refuses_to_start_until_the_owned_page_transfer_is_wired(plugin):
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    from sglang_nsa_cp.sglang_ext.disaggregation.common.conn import refuse_unwired_prefill_transfer
+    from sglang_nsa_cp.sglang_ext.environ import envs
+
+    started = []
+    original = lambda self, args, mode, server_args, is_mla_backend=False: started.append(mode)  # noqa: E731
+    with envs.SGLANG_NSA_CP_SHARED_KV.override(True):
+        with pytest.raises(NotImplementedError, match="not wired"):
+            refuse_unwired_prefill_transfer(original, None, None, DisaggregationMode.PREFILL, None)
+        refuse_unwired_prefill_transfer(original, None, None, DisaggregationMode.DECODE, None)
+    with envs.SGLANG_NSA_CP_SHARED_KV.override(False):
+        refuse_unwired_prefill_transfer(original, None, None, DisaggregationMode.PREFILL, None, is_mla_backend=True)
+    assert started == [DisaggregationMode.DECODE, DisaggregationMode.PREFILL]
