@@ -51,11 +51,12 @@ def all_gather_rows(
     group: dist.ProcessGroup,
     counter: TrafficCounter | None = None,
     kind: str = "rows",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gather every rank's `local` rows, each padded to `rows_per_rank`, rank-major.
 
-    Returns [world * rows_per_rank, ...]; rank r's row j is at r * rows_per_rank + j. Padding
-    rows hold unspecified values.
+    Returns (or fills `out`, which must be contiguous) [world * rows_per_rank, ...]; rank r's row
+    j is at r * rows_per_rank + j. Padding rows hold unspecified values.
     """
     if local.shape[0] > rows_per_rank:
         raise ValueError(f"{local.shape[0]} local rows exceed rows_per_rank={rows_per_rank}")
@@ -64,7 +65,8 @@ def all_gather_rows(
     if local.shape[0] != rows_per_rank or not local.is_contiguous():
         send = local.new_empty((rows_per_rank, *local.shape[1:]))
         send[: local.shape[0]] = local
-    out = local.new_empty((world * rows_per_rank, *local.shape[1:]))
+    if out is None:
+        out = local.new_empty((world * rows_per_rank, *local.shape[1:]))
     _all_gather_single(_wire_view(out), _wire_view(send), group=group)
     if counter is not None:
         counter.add(kind, out.numel() * out.element_size())

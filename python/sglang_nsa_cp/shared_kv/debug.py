@@ -18,11 +18,13 @@ class CoverageError(AssertionError):
     """A page or slot without exactly one owner, or history with no source."""
 
 
-def check_layout(layout, hist_dense_pages: torch.Tensor) -> None:
-    """Every history page of the batch must come from some rank's shard."""
-    missing = hist_dense_pages[layout.dense_page_src[hist_dense_pages] < 0]
-    if missing.numel():
-        raise CoverageError(f"dense pages {missing[:8].tolist()} hold history but have no owner page to gather")
+def check_layout(layout, hist_pages: torch.Tensor, hist_dense_pages: torch.Tensor, cp_size: int) -> None:
+    """Every history page must be read from its owner's part of the gathered pages."""
+    owner_part = hist_dense_pages // max(layout.pages_per_rank, 1)
+    bad = (owner_part != hist_pages % cp_size).nonzero().flatten()
+    if bad.numel():
+        shown = [(int(hist_pages[i]), int(hist_dense_pages[i])) for i in bad[:8]]
+        raise CoverageError(f"history pages (page, dense page) read outside their owner's gathered pages: {shown}")
 
 
 def check_write_coverage(store, slots: torch.Tensor, group: dist.ProcessGroup) -> None:

@@ -1,12 +1,14 @@
 """Materialize: rebuild, for one layer, the dense KV view the attention and indexer kernels read.
 
-The dense view holds every page of every request in the batch, request by request, so a
-request's position p lives at dense row `req_rows[i, p]` (the page table handed to kernels is
-rewritten to these rows). It is filled in two steps:
+The dense view is a buffer of pages, and the page table handed to kernels is rewritten to it
+(`req_rows[i, p]` is the dense row of request i's position p). Its first part *is* the
+all-gather of owned history pages, rank-major (owner r's j-th page at r * pages_per_rank + j), so
+history lands where kernels read it with no scatter pass; pages that hold only this chunk's
+tokens follow. It is filled in two steps:
 
-1. history (the cached prefix): each rank packs the history pages it owns into a send buffer,
-   one all-gather of owned pages (never an all-reduce of zero-filled buffers, which moves twice
-   the bytes) brings all of them to every rank, and a page scatter puts each at its dense page;
+1. history (the cached prefix): each rank packs the history pages it owns into a send buffer
+   and one all-gather of owned pages (never an all-reduce of zero-filled buffers, which moves
+   twice the bytes) writes them into the dense view;
 2. current (this chunk's tokens, already all-gathered for attention) is written at its rows,
    after history, so a prefix page that ends mid-page gets its new tokens from the chunk.
 
@@ -36,12 +38,12 @@ class DenseLayout:
 
     current_reuse: bool
     page_size: int
-    req_rows: torch.Tensor  # [bs, max_seq_len] dense row of each (request, position)
+    req_rows: torch.Tensor  # [bs, max_seq_len] dense row of each (request, position), -1 past the end
     current_rows: torch.Tensor  # [num_tokens] dense row of each flat-batch current token
-    num_dense_pages: int
+    num_dense_pages: int  # gathered history pages (cp_size * pages_per_rank), then current-only pages
     send_pages: torch.Tensor  # [pages_per_rank] this rank's local pages to send, -1 padding
     pages_per_rank: int
-    dense_page_src: torch.Tensor  # [num_dense_pages] row in the gathered pages, -1: no history
+    dense_page_table: torch.Tensor  # [bs, max_pages] dense page of each request page, -1 past the end
 
     @property
     def num_dense_rows(self) -> int:
@@ -65,14 +67,18 @@ def build_dense_layout(
     device = page_table.device
     bs = len(extend_lens)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    starts = torch.tensor([0] + extend_lens[:-1]).cumsum(0).tolist()
     max_len = max(seq_lens)
-    pos = torch.arange(max_len)
+    lens = torch.tensor(seq_lens)
+    prefix = torch.tensor(prefix_lens)
+    # Flat (request, position) index of every current token, host math on lengths only.
+    req_of_token = torch.repeat_interleave(torch.arange(bs), torch.tensor(extend_lens))
+    pos_of_token = torch.cat([torch.arange(p, n) for p, n in zip(prefix_lens, seq_lens)])
+    current_flat = (req_of_token * max_len + pos_of_token).to(device)
 
     if not any(prefix_lens):
-        req_rows = torch.full((bs, max_len), -1, dtype=torch.long)
-        for i, n in enumerate(seq_lens):
-            req_rows[i, :n] = starts[i] + pos[:n]
+        starts = torch.cumsum(torch.tensor(extend_lens), 0) - torch.tensor(extend_lens)
+        pos = torch.arange(max_len)
+        req_rows = torch.where(pos < lens[:, None], starts[:, None] + pos, -1)
         empty = torch.empty(0, dtype=torch.long, device=device)
         return DenseLayout(
             current_reuse=True,
@@ -82,53 +88,58 @@ def build_dense_layout(
             num_dense_pages=0,
             send_pages=empty,
             pages_per_rank=0,
-            dense_page_src=empty,
+            dense_page_table=empty.view(bs, 0),
         )
 
-    # Dense pages: each request's pages, request after request (host math on lengths only).
-    pages_per_req = [-(-n // page_size) for n in seq_lens]
-    page_offset = torch.tensor([0] + pages_per_req[:-1]).cumsum(0)
-    req_rows = torch.full((bs, max_len), -1, dtype=torch.long)
-    current_rows = []
-    for i, (n, p) in enumerate(zip(seq_lens, prefix_lens)):
-        rows = (page_offset[i] + pos[:n] // page_size) * page_size + pos[:n] % page_size
-        req_rows[i, :n] = rows
-        current_rows.append(rows[p:])
-    num_dense_pages = sum(pages_per_req)
+    # Every request page in flat order (request, page); history pages first hold cached tokens.
+    pages_per_req = -(-lens // page_size)
+    hist_per_req = -(-prefix // page_size)
+    max_pages = int(pages_per_req.max())
+    flat_req = torch.repeat_interleave(torch.arange(bs), pages_per_req)
+    flat_col = torch.arange(int(pages_per_req.sum())) - (torch.cumsum(pages_per_req, 0) - pages_per_req)[flat_req]
+    is_hist = flat_col < hist_per_req[flat_req]
+    hist_flat = (flat_req * max_pages + flat_col)[is_hist].to(device)
+    cur_flat = (flat_req * max_pages + flat_col)[~is_hist].to(device)
 
     # History pages, deduplicated (requests may share a cached prefix), grouped by owner.
-    hist_counts = [-(-p // page_size) for p in prefix_lens]
-    flat_cols = torch.cat([i * page_table.shape[1] + torch.arange(c) for i, c in enumerate(hist_counts)])
-    hist_dense = torch.cat([page_offset[i] + torch.arange(c) for i, c in enumerate(hist_counts)]).to(device)
-    hist_pages = page_table.reshape(-1)[flat_cols.to(device)]
+    hist_pages = page_table[:, :max_pages].reshape(-1)[hist_flat]
     unique_pages, inverse = torch.unique(hist_pages, sorted=True, return_inverse=True)
     owner = unique_pages % cp_size
-    order = torch.argsort(owner * (unique_pages.max() + 1) + unique_pages)
     per_owner = torch.bincount(owner, minlength=cp_size)
     pages_per_rank = int(per_owner.max())  # the one host read of the batch
+    # unique_pages is sorted, so within each owner's group the order is ascending page id.
+    order = torch.argsort(owner, stable=True)
     group_start = torch.cumsum(per_owner, 0) - per_owner
     slot_in_owner = torch.empty_like(order)
     slot_in_owner[order] = torch.arange(order.numel(), device=device) - group_start[owner[order]]
-    gathered_row = owner * pages_per_rank + slot_in_owner
+    gathered_page = owner * pages_per_rank + slot_in_owner
 
     send = torch.full((pages_per_rank + 1,), -1, dtype=torch.long, device=device)
     target = torch.where(owner == rank, slot_in_owner, torch.full_like(slot_in_owner, pages_per_rank))
     send.scatter_(0, target, torch.where(owner == rank, unique_pages // cp_size, -1))
-    dense_page_src = torch.full((num_dense_pages,), -1, dtype=torch.long, device=device)
-    dense_page_src[hist_dense] = gathered_row[inverse]
+
+    # The rewritten page table: history pages at their gathered page, the others after them.
+    num_gathered = cp_size * pages_per_rank
+    dense_pt = torch.full((bs * max_pages,), -1, dtype=torch.long, device=device)
+    dense_pt[hist_flat] = gathered_page[inverse]
+    dense_pt[cur_flat] = num_gathered + torch.arange(cur_flat.numel(), device=device)
+    dense_pt = dense_pt.view(bs, max_pages)
+    pos = torch.arange(max_len, device=device)
+    rows = dense_pt[:, pos // page_size] * page_size + pos % page_size
+    req_rows = torch.where(pos < lens.to(device)[:, None], rows, -1)
 
     layout = DenseLayout(
         current_reuse=False,
         page_size=page_size,
-        req_rows=req_rows.to(device),
-        current_rows=torch.cat(current_rows).to(device),
-        num_dense_pages=num_dense_pages,
+        req_rows=req_rows,
+        current_rows=req_rows.reshape(-1)[current_flat],
+        num_dense_pages=num_gathered + cur_flat.numel(),
         send_pages=send[:pages_per_rank],
         pages_per_rank=pages_per_rank,
-        dense_page_src=dense_page_src,
+        dense_page_table=dense_pt,
     )
     if debug.ENABLED:
-        debug.check_layout(layout, hist_dense)
+        debug.check_layout(layout, hist_pages, dense_pt.reshape(-1)[hist_flat], cp_size)
     return layout
 
 
@@ -140,16 +151,18 @@ def gather_history_pages(
     kind: str,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Owned history pages of every rank into their dense pages: pack, one all-gather, scatter.
+    """Owned history pages of every rank into the dense view: pack, one all-gather.
 
     `pages` is one layer's shard viewed as one row per local page; returns (or fills `out`)
-    [num_dense_pages, page row]. Dense pages without history are left as they were.
+    [num_dense_pages, page row]. The all-gather writes straight into the view's first
+    cp_size * pages_per_rank pages; the current-only pages after them are left as they were.
     """
     send = kernels.gather_rows(pages, layout.send_pages, pages.new_empty((layout.pages_per_rank, pages.shape[1])))
-    gathered = all_gather_rows(send, layout.pages_per_rank, group, counter, kind)
     if out is None:
         out = pages.new_empty((layout.num_dense_pages, pages.shape[1]))
-    return kernels.gather_rows(gathered, layout.dense_page_src, out)
+    num_gathered = dist.get_world_size(group) * layout.pages_per_rank
+    all_gather_rows(send, layout.pages_per_rank, group, counter, kind, out=out[:num_gathered])
+    return out
 
 
 def add_current_latent(dense_pages: torch.Tensor, layout: DenseLayout, current: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,9 @@ are the rank's local shards (what `get_contiguous_buf_infos` / `get_state_buf_in
 One extend batch (every call below happens on every CP rank in the same order):
 
 1. `begin_shard_extend` (called by `DeepseekSparseAttnBackend.init_forward_metadata`):
-   the dense plan: the batch's pages laid out request after request (`shared_kv`'s dense view),
-   a logical-page -> dense-page map, and the history layout (`shared_kv.build_dense_layout`).
+   the dense plan: `shared_kv`'s dense view (owners' history pages as the all-gather lays them
+   out, then the chunk's own pages), a logical-page -> dense-page map, and the history layout
+   (`shared_kv.build_dense_layout`).
 2. `translate_loc_to_scratch(page_table)`: SGLang rewrites the attention page table to dense rows.
 3. index-K writes (`index_key_cache.write_targets`, from the indexer): the layer's history index
    pages are materialized (one all-gather of owned pages), then SGLang's own kernel writes the
@@ -83,10 +84,10 @@ def build_extend_plan(
 ) -> ExtendPlan:
     """The dense plan of one extend batch.
 
-    Dense page of request i's k-th page = pages of requests before i + k, the layout of
-    `shared_kv.build_dense_layout` (whose history layout is used as is). A logical page shared by
-    several requests (a cached prefix) maps to one of its dense copies; all copies hold the same
-    bytes. Host work is on lengths only; the page table stays on the device.
+    With history, the dense view is `shared_kv.build_dense_layout`'s: owners' history pages where
+    the all-gather puts them, then the pages holding only this chunk's tokens; a logical page
+    shared by several requests (a cached prefix) is one dense page. Without history, the batch's
+    pages request after request. Host work is on lengths only; the page table stays on the device.
     """
     device = req_to_token.device
     pages_per_req = [-(-n // page_size) for n in seq_lens]
@@ -94,21 +95,22 @@ def build_extend_plan(
     rows = req_to_token.index_select(0, req_pool_indices.to(device).long())
     page_table = rows[:, : max_pages * page_size : page_size].long() // page_size  # [bs, max_pages]
     counts = torch.tensor(pages_per_req)
-    flat_req = torch.repeat_interleave(torch.arange(len(seq_lens)), counts)
-    flat_col = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[flat_req]
-    logical = page_table[flat_req.to(device), flat_col.to(device)]
+    flat_req = torch.repeat_interleave(torch.arange(len(seq_lens)), counts).to(device)
+    flat_col = (torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[flat_req.cpu()]).to(device)
+    logical = page_table[flat_req, flat_col]
     page_pos = torch.zeros(num_logical_pages, dtype=torch.long, device=device)
-    page_pos[logical] = torch.arange(logical.numel(), device=device)
 
     history = None
     if any(prefix_lens):
         extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
         layout = build_dense_layout(page_table, list(prefix_lens), extend_lens, page_size, cp_size, rank)
-        assert layout.num_dense_pages == logical.numel(), (
-            f"dense view of {layout.num_dense_pages} pages != {logical.numel()} batch pages ({seq_lens=})"
-        )
+        page_pos[logical] = layout.dense_page_table[flat_req, flat_col]
         history = dataclasses.replace(layout, current_rows=layout.current_rows[:0])
-    return ExtendPlan(epoch, page_size, logical.numel(), page_pos, history)
+        num_dense_pages = layout.num_dense_pages
+    else:
+        page_pos[logical] = torch.arange(logical.numel(), device=device)
+        num_dense_pages = logical.numel()
+    return ExtendPlan(epoch, page_size, num_dense_pages, page_pos, history)
 
 
 class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
