@@ -46,7 +46,7 @@ def _sync(device):
 
 
 class _LayerClock:
-    """Wraps a KV context: an event at each layer's KV step gives per-layer times."""
+    """Wraps a KV context: an event as each layer hands over its KV gives per-layer times."""
 
     def __init__(self, inner, device):
         self.inner, self.device, self.marks = inner, device, []
@@ -54,9 +54,12 @@ class _LayerClock:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def layer_kv(self, layer_id, *fresh):
+    def begin_layer(self, layer_id, *fresh):
         self.marks.append(self._mark())
-        return self.inner.layer_kv(layer_id, *fresh)
+        self.inner.begin_layer(layer_id, *fresh)
+
+    def finish_layer(self, layer_id):
+        return self.inner.finish_layer(layer_id)
 
     def _mark(self):
         if self.device.type != "cuda":

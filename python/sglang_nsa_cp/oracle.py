@@ -99,8 +99,11 @@ class _Capture:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def layer_kv(self, layer_id, *fresh):
-        dense = self.inner.layer_kv(layer_id, *fresh)
+    def begin_layer(self, layer_id, *fresh):
+        self.inner.begin_layer(layer_id, *fresh)
+
+    def finish_layer(self, layer_id):
+        dense = self.inner.finish_layer(layer_id)
         for i, (key, n) in enumerate(zip(self.keys, self.seq_lens)):
             rows = dense.latent[dense.req_rows[i, :n]]
             per_layer = self.kv.setdefault(key, [])

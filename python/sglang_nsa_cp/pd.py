@@ -49,7 +49,7 @@ from sglang_nsa_cp.disagg import (
 )
 from sglang_nsa_cp.layout import OwnerClassedAllocator, RequestPageTable
 from sglang_nsa_cp.oracle import DTYPES, PATH_SPLIT_MODES, RTOL, Scenario, build_model, rel_err
-from sglang_nsa_cp.reference import DenseKV, DSAModel, SlotKVCache, decode_step, prefill_single
+from sglang_nsa_cp.reference import DenseKV, DSAModel, SlotKVCache, SynchronousKV, decode_step, prefill_single
 from sglang_nsa_cp.reference.cp import SharedCPKV, prefill_cp
 from sglang_nsa_cp.shared_kv import KVStore
 
@@ -78,7 +78,7 @@ class _DecodePages:
         self.pages.free(pages)
 
 
-class DecodeKV:
+class DecodeKV(SynchronousKV):
     """KV context of the decode instance: the receiver's pool, with each request's pages.
 
     store      KVStore.replicated(...): the buffers the receiver registered (latent

@@ -6,6 +6,7 @@ from sglang_nsa_cp.comm.collectives import (
     all_gather_rows,
     gather_full_hidden,
     gather_last_token_hidden,
+    start_all_gather_rerange,
 )
 from sglang_nsa_cp.comm.launch import RankFailure, run_ranks
 
@@ -17,4 +18,5 @@ __all__ = [
     "gather_full_hidden",
     "gather_last_token_hidden",
     "run_ranks",
+    "start_all_gather_rerange",
 ]

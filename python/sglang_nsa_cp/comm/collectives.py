@@ -15,6 +15,7 @@ state traffic exactly. float8 tensors travel as uint8 views (gloo has no float8)
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,22 @@ def _wire_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype in _FLOAT8 else t
 
 
+def _launch_all_gather(local, rows_per_rank, group, counter, kind, out, async_op):
+    if local.shape[0] > rows_per_rank:
+        raise ValueError(f"{local.shape[0]} local rows exceed rows_per_rank={rows_per_rank}")
+    world = dist.get_world_size(group)
+    send = local
+    if local.shape[0] != rows_per_rank or not local.is_contiguous():
+        send = local.new_empty((rows_per_rank, *local.shape[1:]))
+        send[: local.shape[0]] = local
+    if out is None:
+        out = local.new_empty((world * rows_per_rank, *local.shape[1:]))
+    work = _all_gather_single(_wire_view(out), _wire_view(send), group=group, async_op=async_op)
+    if counter is not None:
+        counter.add(kind, out.numel() * out.element_size())
+    return out, work
+
+
 def all_gather_rows(
     local: torch.Tensor,
     rows_per_rank: int,
@@ -58,19 +75,26 @@ def all_gather_rows(
     Returns (or fills `out`, which must be contiguous) [world * rows_per_rank, ...]; rank r's row
     j is at r * rows_per_rank + j. Padding rows hold unspecified values.
     """
-    if local.shape[0] > rows_per_rank:
-        raise ValueError(f"{local.shape[0]} local rows exceed rows_per_rank={rows_per_rank}")
-    world = dist.get_world_size(group)
-    send = local
-    if local.shape[0] != rows_per_rank or not local.is_contiguous():
-        send = local.new_empty((rows_per_rank, *local.shape[1:]))
-        send[: local.shape[0]] = local
-    if out is None:
-        out = local.new_empty((world * rows_per_rank, *local.shape[1:]))
-    _all_gather_single(_wire_view(out), _wire_view(send), group=group)
-    if counter is not None:
-        counter.add(kind, out.numel() * out.element_size())
-    return out
+    return _launch_all_gather(local, rows_per_rank, group, counter, kind, out, async_op=False)[0]
+
+
+def start_all_gather_rerange(
+    local: torch.Tensor,
+    plan: SplitPlan,
+    group: dist.ProcessGroup,
+    counter: TrafficCounter | None = None,
+    kind: str = "current",
+) -> Callable[[], torch.Tensor]:
+    """Launch the all-gather of every rank's local tokens; the returned call waits for it and
+    gives them in flat-batch order [num_tokens, ...]. Work issued in between overlaps it."""
+    gathered, work = _launch_all_gather(local, plan.max_count, group, counter, kind, None, async_op=True)
+    index = plan.device_tensor("rerange_index", local.device)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return gathered.index_select(0, index)
+
+    return finish
 
 
 def all_gather_rerange(
@@ -81,8 +105,7 @@ def all_gather_rerange(
     kind: str = "current",
 ) -> torch.Tensor:
     """All-gather every rank's local tokens and return them in flat-batch order [num_tokens, ...]."""
-    gathered = all_gather_rows(local, plan.max_count, group, counter, kind)
-    return gathered.index_select(0, plan.device_tensor("rerange_index", local.device))
+    return start_all_gather_rerange(local, plan, group, counter, kind)()
 
 
 def gather_last_token_hidden(

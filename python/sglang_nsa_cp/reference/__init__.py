@@ -1,7 +1,7 @@
 """Reference DSA model in plain torch: the correctness oracle, demo model and GPU workload.
 
-``DSAModel.forward(input_ids, positions, request_ids, kv)`` calls ``kv.layer_kv(...)`` once per
-layer; that KV seam is where the single-rank cache (:class:`SlotKVCache`), replicated CP and
+``DSAModel.forward(input_ids, positions, request_ids, kv)`` calls ``kv.begin_layer(...)`` and
+``kv.finish_layer(...)`` once per layer; that KV seam is where the single-rank cache (:class:`SlotKVCache`), replicated CP and
 shared-KV CP plug in.
 """
 
@@ -10,6 +10,7 @@ from .model import (
     DenseKV,
     DSAModel,
     KVContext,
+    SynchronousKV,
     apply_rope,
     dequantize_index_key,
     index_scores,
@@ -27,6 +28,7 @@ __all__ = [
     "KVContext",
     "SlotBatch",
     "SlotKVCache",
+    "SynchronousKV",
     "apply_rope",
     "decode_step",
     "dequantize_index_key",

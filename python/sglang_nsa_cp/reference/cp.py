@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from sglang_nsa_cp import kernels
-from sglang_nsa_cp.comm import TrafficCounter, all_gather_rerange, gather_full_hidden, gather_last_token_hidden
+from sglang_nsa_cp.comm import TrafficCounter, gather_full_hidden, gather_last_token_hidden, start_all_gather_rerange
 from sglang_nsa_cp.layout import ExtendBatch, SplitPlan
 from sglang_nsa_cp.reference.model import DenseKV, DSAModel
 from sglang_nsa_cp.shared_kv import DenseLayout, HistoryPrefetcher, KVStore, build_dense_layout
@@ -25,16 +25,38 @@ from sglang_nsa_cp.shared_kv import DenseLayout, HistoryPrefetcher, KVStore, bui
 
 @dataclass
 class _CPBatch:
+    """What both CP contexts share: the chunk's KV is all-gathered between `begin_layer` and
+    `finish_layer`, overlapping the queries and the indexer's work the model does in between
+    (SGLang's `DSAInterleaveCPIndexerOverlap` does the same on a side stream)."""
+
     plan: SplitPlan
     batch: ExtendBatch
     rank: int
     group: dist.ProcessGroup
     counter: TrafficCounter | None
 
-    def gather_current(self, latent, index_key, index_scale):
-        """The chunk's fresh KV of every rank, in flat-batch order."""
-        g = lambda t, kind: all_gather_rerange(t, self.plan, self.group, self.counter, kind)  # noqa: E731
-        return g(latent, "current_latent"), g(index_key, "current_index"), g(index_scale, "current_index")
+    def begin_layer(self, layer_id, latent, index_key, index_scale) -> None:
+        self.persist_local(layer_id, latent, index_key, index_scale)
+        start = lambda t, kind: start_all_gather_rerange(t, self.plan, self.group, self.counter, kind)  # noqa: E731
+        self._pending = (
+            layer_id,
+            start(latent, "current_latent"),
+            start(index_key, "current_index"),
+            start(index_scale, "current_index"),
+        )
+
+    def finish_layer(self, layer_id: int) -> DenseKV:
+        pending, self._pending = self._pending, None
+        if pending is None or pending[0] != layer_id:
+            raise RuntimeError(f"finish_layer({layer_id}) without a matching begin_layer")
+        return self.dense_view(layer_id, *(finish() for finish in pending[1:]))
+
+    def persist_local(self, layer_id, latent, index_key, index_scale) -> None:
+        """Store what this rank computed before the exchange, where that is all it must store."""
+
+    def dense_view(self, layer_id, latent, index_key, index_scale) -> DenseKV:
+        """The layer's dense view from the chunk's gathered KV (flat-batch order)."""
+        raise NotImplementedError
 
 
 class ReplicatedCPKV(_CPBatch):
@@ -44,11 +66,11 @@ class ReplicatedCPKV(_CPBatch):
         super().__init__(plan, batch, rank, group, counter)
         store.check_slots(batch.out_cache_loc)
         self.store = store
+        self.slots = batch.out_cache_loc.to(store.latent[0].device)
         self.req_rows = batch.req_to_token().to(store.latent[0].device)
 
-    def layer_kv(self, layer_id, latent, index_key, index_scale) -> DenseKV:
-        latent, index_key, index_scale = self.gather_current(latent, index_key, index_scale)
-        self.store.write(layer_id, self.batch.out_cache_loc.to(latent.device), latent, index_key, index_scale)
+    def dense_view(self, layer_id, latent, index_key, index_scale) -> DenseKV:
+        self.store.write(layer_id, self.slots, latent, index_key, index_scale)
         pages = self.store.index[layer_id]
         key, scale = kernels.read_index_k(pages, torch.arange(self.store.num_slots, device=pages.device), self.store.page_size)
         return DenseKV(self.store.latent[layer_id], key, scale, self.req_rows)
@@ -76,11 +98,12 @@ class SharedCPKV(_CPBatch):
             self.prefetcher = HistoryPrefetcher(store, self.layout, group, counter, enabled=prefetch, timings=timings)
             self.prefetcher.launch(0)
 
-    def layer_kv(self, layer_id, latent, index_key, index_scale) -> DenseKV:
+    def persist_local(self, layer_id, latent, index_key, index_scale) -> None:
         if self.batch.compute_owned:  # compute-owner pages: write what this rank computed, no exchange
             self.store.write(layer_id, self.local_slots, latent, index_key, index_scale)
-        latent, index_key, index_scale = self.gather_current(latent, index_key, index_scale)
-        if not self.batch.compute_owned:
+
+    def dense_view(self, layer_id, latent, index_key, index_scale) -> DenseKV:
+        if not self.batch.compute_owned:  # owners persist their rows from the gathered chunk
             self.store.write(layer_id, self.slots, latent, index_key, index_scale)
         layout = self.layout
         if self.prefetcher is None:  # current reuse: the gathered chunk is the dense view

@@ -18,9 +18,11 @@ Choices, fixed here so every path (single rank, replicated CP, shared-KV CP) agr
   the query's request; ties go to the lower position (stable sort), so the choice does not
   depend on the sort kernel.
 
-The KV seam: each layer hands its tokens' fresh KV to ``kv.layer_kv(...)`` and gets back a
-:class:`DenseKV` view of every token it may attend to. How that view is stored or gathered
-(one slot cache, replicated CP, shared-KV CP with materialize) is the context's business.
+The KV seam: each layer hands its tokens' fresh KV to ``kv.begin_layer(...)``, computes its
+index queries and absorbed attention queries, then gets a :class:`DenseKV` view of every token it
+may attend to from ``kv.finish_layer(...)``. How that view is stored or gathered (one slot cache,
+replicated CP, shared-KV CP with materialize) is the context's business; the gap between the two
+calls is where a CP context's all-gather of the chunk overlaps the indexer's work.
 """
 
 from __future__ import annotations
@@ -59,11 +61,28 @@ class DenseKV:
 
 
 class KVContext(Protocol):
-    def layer_kv(
+    def begin_layer(
         self, layer_id: int, latent: torch.Tensor, index_key: torch.Tensor, index_scale: torch.Tensor
-    ) -> DenseKV:
-        """Store this process's fresh KV of ``layer_id`` and return the dense view to attend to."""
+    ) -> None:
+        """Take this process's fresh KV of ``layer_id`` (start exchanging it, if the context does)."""
         ...
+
+    def finish_layer(self, layer_id: int) -> DenseKV:
+        """The dense view of ``layer_id`` to attend to, its fresh KV stored."""
+        ...
+
+
+class SynchronousKV:
+    """`KVContext` for contexts with nothing to overlap: all the work happens in ``layer_kv``."""
+
+    def begin_layer(self, layer_id, latent, index_key, index_scale) -> None:
+        self._fresh = (layer_id, latent, index_key, index_scale)
+
+    def finish_layer(self, layer_id: int) -> DenseKV:
+        fresh, self._fresh = self._fresh, None
+        if fresh is None or fresh[0] != layer_id:
+            raise RuntimeError(f"finish_layer({layer_id}) without a matching begin_layer")
+        return self.layer_kv(*fresh)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -208,15 +227,19 @@ class Indexer(nn.Module):
         dr = self.cfg.qk_rope_head_dim
         return torch.cat([apply_rope(x[..., :dr], positions, self.cfg.rope_theta), x[..., dr:]], dim=-1)
 
-    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor):
-        """-> index query [T, Hi, 128], index key [T, 128] (before fp8), head weights [T, Hi]."""
-        cfg = self.cfg
-        q = self.wq_b(q_latent).view(-1, cfg.index_n_heads, cfg.index_head_dim)
+    def key(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Index key [T, 128] (before fp8): what the KV cache stores for the indexer."""
         k = self.wk(x)
         acc = _acc_dtype(k.dtype)
         k = F.layer_norm(k.to(acc), k.shape[-1:], self.k_norm.weight.to(acc), self.k_norm.bias.to(acc), self.k_norm.eps)
+        return self._rope_first(k.to(x.dtype), positions)
+
+    def query(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor):
+        """Index query [T, Hi, 128] and head weights [T, Hi]."""
+        cfg = self.cfg
+        q = self.wq_b(q_latent).view(-1, cfg.index_n_heads, cfg.index_head_dim)
         weights = self.weights_proj(x) * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
-        return self._rope_first(q, positions), self._rope_first(k.to(x.dtype), positions), weights
+        return self._rope_first(q, positions), weights
 
 
 class MLAAttention(nn.Module):
@@ -240,15 +263,17 @@ class MLAAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         cfg = self.cfg
         t, h, dn, dr, dv = x.shape[0], cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        q_latent = self.q_a_layernorm(self.q_a_proj(x))
-        q_nope, q_rope = self.q_b_proj(q_latent).view(t, h, dn + dr).split([dn, dr], dim=-1)
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, dr], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_rope, positions, cfg.rope_theta)], dim=-1)
+        kv.begin_layer(self.layer_id, latent, *quantize_index_key(self.indexer.key(x, positions)))
+
+        # Queries need nothing from other tokens: computed while the context exchanges the KV.
+        q_latent = self.q_a_layernorm(self.q_a_proj(x))
+        q_nope, q_rope = self.q_b_proj(q_latent).view(t, h, dn + dr).split([dn, dr], dim=-1)
         w_uk, w_uv = self.kv_b_proj.weight.view(h, dn + dv, cfg.kv_lora_rank).split([dn, dv], dim=1)
         q = torch.cat([torch.einsum("thd,hdc->thc", q_nope, w_uk), apply_rope(q_rope, positions, cfg.rope_theta)], -1)
-
-        index_q, index_k, index_w = self.indexer(x, q_latent, positions)
-        dense = kv.layer_kv(self.layer_id, latent, *quantize_index_key(index_k))
+        index_q, index_w = self.indexer.query(x, q_latent, positions)
+        dense = kv.finish_layer(self.layer_id)
 
         out_latent = x.new_empty(t, h, cfg.kv_lora_rank)
         topk = torch.full((t, cfg.index_topk), -1, dtype=torch.long, device=x.device) if want_topk else None

@@ -24,7 +24,7 @@ from typing import Hashable, Sequence
 import torch
 
 from .config import DSAConfig
-from .model import DenseKV, DSAModel
+from .model import DenseKV, DSAModel, SynchronousKV
 
 
 @dataclass(slots=True)
@@ -58,7 +58,7 @@ class SlotBatch:
         return torch.tensor(self.extend_lens, device=self.positions.device).cumsum(0) - 1
 
 
-class SlotKVCache:
+class SlotKVCache(SynchronousKV):
     """Per-layer logical-slot KV cache: latent [L, num_slots, W], index_key uint8
     [L, num_slots, 128], index_scale float32 [L, num_slots]. Unwritten slots hold NaN
     (0xFF is NaN in float8_e4m3fn), so reading a slot that was never written shows up.
