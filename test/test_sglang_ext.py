@@ -184,6 +184,7 @@ BAD = [
     ("speculative", "glm5", {"--speculative-algorithm": "EAGLE"}, "does not support speculative decoding"),
     ("PP", "v32", {"--pp-size": "2"}, "does not support pipeline parallelism"),
     ("TBO", "v32", {"--enable-two-batch-overlap": None}, "does not support --enable-two-batch-overlap"),
+    ("KV checksum", "v32", {"--disaggregation-enable-kv-checksum": None}, "does not support --disaggregation-enable-kv-checksum"),
     ("LayerNorm SP", "v32", {"--enable-layernorm-sp": None}, "does not support --enable-layernorm-sp"),
     ("dummy model", "dummy", {}, "needs a real DSA checkpoint"),
 ]
@@ -216,6 +217,7 @@ def test_page_size_other_than_64_is_refused():
         prefill_attention_backend=None, dsa_prefill_backend="flashmla_sparse", kv_cache_dtype="bfloat16",
         enable_hierarchical_cache=False, enable_hisparse=False, enable_lmcache=False, speculative_algorithm=None,
         pp_size=1, dcp_size=1, attn_dp_size=1, enable_two_batch_overlap=False, enable_layernorm_sp=False,
+        disaggregation_enable_kv_checksum=False,
         cuda_graph_config=SimpleNamespace(prefill=SimpleNamespace(backend="disabled")),
     )  # fmt: skip
     with mock.patch.object(parallel_hook, "resolving_view", lambda sa: view), mock.patch.object(
@@ -247,20 +249,3 @@ def test_launch_server_exits_with_the_error_before_loading_anything(models):
     assert "SharedKVConfigError" in log and "runs only on a PD prefill instance" in log, log[-3000:]
     for sign in ("Init torch distributed", "Load weight", "scheduler", "Memory pool"):
         assert sign not in log, f"{sign!r} in the log: something started before validation\n{log[-3000:]}"
-
-
-def test_prefill_kv_manager_refuses_to_start_until_the_owned_page_transfer_is_wired(plugin):
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-
-    from sglang_nsa_cp.sglang_ext.disaggregation.common.conn import refuse_unwired_prefill_transfer
-    from sglang_nsa_cp.sglang_ext.environ import envs
-
-    started = []
-    original = lambda self, args, mode, server_args, is_mla_backend=False: started.append(mode)  # noqa: E731
-    with envs.SGLANG_NSA_CP_SHARED_KV.override(True):
-        with pytest.raises(NotImplementedError, match="not wired"):
-            refuse_unwired_prefill_transfer(original, None, None, DisaggregationMode.PREFILL, None)
-        refuse_unwired_prefill_transfer(original, None, None, DisaggregationMode.DECODE, None)
-    with envs.SGLANG_NSA_CP_SHARED_KV.override(False):
-        refuse_unwired_prefill_transfer(original, None, None, DisaggregationMode.PREFILL, None, is_mla_backend=True)
-    assert started == [DisaggregationMode.DECODE, DisaggregationMode.PREFILL]

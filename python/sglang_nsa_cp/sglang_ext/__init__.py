@@ -28,9 +28,18 @@ Patch ledger (target / why / how / upstream / when it can go):
 - `LogitsProcessor._get_pruned_states` (AROUND) -- layers/logits_processor.py. Why: accept the
   already-pruned [bs, hidden] rows the narrow gather returns. How: pass them through.
   Both go if SGLang adopts a narrow tail gather.
-- `CommonKVManager.__init__` (AROUND) -- disaggregation/common/conn.py. Why: the owned-page PD
-  transfer is not wired yet, and SGLang's default sender would ship wrong pages. How: the
-  prefill-side KV manager refuses to start while shared KV is on. Goes when the transfer lands.
+- Owned-page PD transfer -- disaggregation/common/conn.py (`CommonKVManager.__init__`,
+  `_register_topology_row`, `conclude_transfer`, `_encode_kv_status_message`,
+  `parse_kv_status_message`, `apply_prefill_status`; `CommonKVSender._prepare_send_indices`,
+  `clear`; `CommonKVReceiver._check_waiting_timeout`, `_clear`, all AROUND) and
+  disaggregation/mooncake/conn.py (`MooncakeKVManager.add_transfer_request`, `maybe_send_extra`,
+  AROUND). Why: each CP rank holds only the pages it owns (p % N, local p // N), which is the rule
+  of SGLang's own `--enable-kv-cache-sharding` transfer. How: make the shared-KV prefill manager a
+  shard rank of that path (every CP rank sends its owned KV and index-K pages; the bootstrap
+  advertises sharding so any decode pulls from all CP ranks), add a per-rank self-check before
+  Success, the failure reason on status messages and an owned-page manifest that a decode with the
+  plugin checks before it commits. Goes if SGLang keys its sharded transfer on the pool rather than
+  on its own flag and checks coverage on the decode.
 
 The forward path itself (dense page tables for attention and the indexer, index-K writes and
 reads) needs no patch: `mem_cache.memory_pool.SharedKVDSATokenToKVPool` implements the contract of
@@ -50,6 +59,7 @@ HOOK_MODULES = (
     "sglang_nsa_cp.sglang_ext.layers.cp.utils",
     "sglang_nsa_cp.sglang_ext.layers.logits_processor",
     "sglang_nsa_cp.sglang_ext.disaggregation.common.conn",
+    "sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn",
 )
 
 _registered = False

@@ -160,6 +160,11 @@ def find_problems(server_args: Any) -> list[str]:
             "does not support --enable-layernorm-sp yet (it re-gathers the sequence-sharded residual before the "
             "LM head, where the narrow tail gather hands over only last-token rows); drop it"
         )
+    if cfg.disaggregation_enable_kv_checksum:
+        problems.append(
+            "does not support --disaggregation-enable-kv-checksum (it reads a request's pages by logical id "
+            "from the rank's own pool, which holds only the pages that rank owns); drop it"
+        )
     if cfg.enable_two_batch_overlap:
         problems.append(
             "does not support --enable-two-batch-overlap (it rebuilds attention metadata per micro-batch, "

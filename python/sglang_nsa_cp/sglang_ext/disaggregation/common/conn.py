@@ -1,36 +1,278 @@
-"""Guard: the owned-page PD transfer is not wired into SGLang yet. Mirrors
+"""Owned-page PD transfer on SGLang's own KV-sharding path. Mirrors
 `sglang/srt/disaggregation/common/conn.py`.
 
-Target: `CommonKVManager.__init__` (AROUND). With shared KV a prefill rank's registered buffers
-(`get_contiguous_buf_infos`, `get_state_buf_infos`) hold only the pages it owns, at local page
-`page // N`, while SGLang's default sender ships the request's logical page ids from CP rank 0
-alone. Left alone, the decode instance would receive pages read past the end of rank 0's shard.
-Until the owned-page transfer (`sglang_nsa_cp.disagg`) is hooked into the Mooncake manager, the
-prefill rank refuses to start its KV manager, with this explanation, instead of serving wrong KV.
-This hook goes when that transfer lands.
+With shared KV, CP rank r of N stores logical page p only if p % N == r, at local page p // N
+(`mem_cache.memory_pool.SharedKVDSATokenToKVPool`). SGLang 0.5.23's `--enable-kv-cache-sharding`
+transfer uses exactly that rule, so the plugin turns it on for the shared-KV prefill manager
+instead of shipping its own protocol beside SGLang's:
+
+- every CP rank is a real sender (`kv_shard_rank/size` on the manager: SGLang then sets
+  `enable_all_cp_ranks_for_transfer` and no dummy CP rank) that sends its owned KV pages
+  (SGLang's `filter_kv_indices_for_shard_rank`: local id p // N, request positions) and its owned
+  index-K pages (`mooncake/conn.py` here), coalesced into runs by SGLang's
+  `group_concurrent_contiguous`;
+- the bootstrap registration advertises `enable_kv_cache_sharding`, so any SGLang 0.5.23 decode,
+  with or without this plugin, pulls from all N CP ranks and reports Success only after all N did;
+- each rank checks, before it reports Success, that it handed every page it owns to the transfer
+  exactly once (`owned_pages.OwnedPageLedger.finish`), and reports Failed with the difference
+  otherwise; status messages carry the failure reason (a stock decode reads it);
+- its Success message carries a manifest frame (positions and logical pages of its KV and
+  index-K pages). A decode with this plugin (no flag needed) commits a room only when the N
+  manifests cover every position exactly once from its owner, and names the silent ranks when a
+  room times out. A stock decode ignores the frame.
+
+Prefill-side targets (act only on a shared-KV prefill manager, `ledger_of(mgr)` not None):
+`CommonKVManager.__init__`, `_register_topology_row`, `conclude_transfer`,
+`_encode_kv_status_message`; `CommonKVSender._prepare_send_indices`, `clear`.
+Decode-side targets (act only on rooms whose Success messages carry manifests):
+`CommonKVManager.parse_kv_status_message`, `apply_prefill_status`;
+`CommonKVReceiver._check_waiting_timeout`, `_clear`.
 """
 
 from __future__ import annotations
 
+import logging
+
+import numpy as np
+
+from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import (
+    MANIFEST_TAG,
+    OwnedPageLedger,
+    decode_manifest,
+    encode_manifest,
+    verify_manifests,
+)
 from sglang_nsa_cp.sglang_ext.server_args import FLAG, is_enabled
 
-UNWIRED = (
-    f"{FLAG}: the PD transfer of owned pages is not wired into SGLang's Mooncake KV manager yet "
-    "(each CP rank holds only its own pages; SGLang would send logical page ids from CP rank 0 "
-    "alone, which address past the end of its shard). Run without the flag until the owned-page "
-    "sender lands (see docs/sglang_plugin.md, 'Not done')."
-)
+logger = logging.getLogger(__name__)
+
+_LEDGER = "_nsa_cp_ledger"  # prefill manager: OwnedPageLedger
+_OUTGOING = "_nsa_cp_outgoing"  # prefill manager: room -> manifest being concluded
+_INBOX = "_nsa_cp_inbox"  # decode manager: (room, prefill rank) -> manifest parsed, not applied yet
+_MANIFESTS = "_nsa_cp_manifests"  # decode manager: room -> {prefill rank: manifest}
 
 
-def refuse_unwired_prefill_transfer(original, self, args, disaggregation_mode, *rest, **kwargs):
-    """AROUND `CommonKVManager.__init__`: refuse the prefill-side manager while shared KV is on."""
+def ledger_of(mgr):
+    return mgr.__dict__.get(_LEDGER) if mgr is not None else None
+
+
+def _state(mgr, name):
+    return mgr.__dict__.setdefault(name, {})
+
+
+# ---- prefill side ----------------------------------------------------------------------------------
+def init_owner_sharded_manager(original, self, args, disaggregation_mode, *rest, **kwargs):
+    """AROUND `CommonKVManager.__init__`: on a shared-KV prefill rank, make the manager a shard
+    rank of the CP group before SGLang's constructor reads it (it derives
+    `enable_all_cp_ranks_for_transfer`, `is_dummy_cp_rank` and the skipped-state rule from
+    `kv_shard_size`, and registers to the bootstrap server)."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     if is_enabled() and disaggregation_mode == DisaggregationMode.PREFILL:
-        raise NotImplementedError(UNWIRED)
+        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+        from sglang.srt.runtime_context import get_parallel
+
+        if not isinstance(self, MooncakeKVManager):
+            raise NotImplementedError(
+                f"{FLAG}: owned pages are shipped by the Mooncake transfer backend only, not {type(self).__name__}"
+            )
+        parallel = get_parallel()
+        rank, size = parallel.attn_cp_rank, parallel.attn_cp_size
+        if parallel.enable_kv_cache_sharding:
+            raise ValueError(f"{FLAG} cannot be combined with --enable-kv-cache-sharding")
+        self.kv_shard_rank, self.kv_shard_size = rank, size
+        self.kv_status_msg_carries_reason = True  # a 4th frame; SGLang's decode parser reads it
+        self.__dict__[_LEDGER] = OwnedPageLedger(rank, size)
+        self.__dict__[_OUTGOING] = {}
+        logger.info("Owned-page PD transfer: CP rank %d of %d sends the pages it owns", rank, size)
     return original(self, args, disaggregation_mode, *rest, **kwargs)
 
 
+def advertise_all_cp_ranks(original, self, url, payload):
+    """AROUND `CommonKVManager._register_topology_row`: tell decode instances that every CP rank
+    holds a distinct subset of the pages (SGLang's decode then targets all CP ranks and waits for
+    attn_cp_size responses, `_resolve_rank_mapping`)."""
+    if ledger_of(self) is not None:
+        payload = dict(payload, enable_kv_cache_sharding=True)
+    return original(self, url, payload)
+
+
+def expect_owned_kv_pages(original, self, kv_indices, state_indices=None):
+    """AROUND `CommonKVSender._prepare_send_indices`: note the positions this rank owns in the
+    unfiltered chunk (logical page ids) before SGLang filters it down to them."""
+    ledger = ledger_of(self.kv_mgr)
+    if ledger is not None:
+        pages = kv_indices.numpy() if hasattr(kv_indices, "numpy") else np.asarray(kv_indices)
+        ledger.expect_kv(self.bootstrap_room, self.curr_idx, pages, total=self.num_kv_indices)
+    return original(self, kv_indices, state_indices)
+
+
+def self_check(ledger: OwnedPageLedger, room: int):
+    """(manifest, problem) of a room this rank concludes; module-level so a test can bypass it."""
+    return ledger.finish(room)
+
+
+def check_before_concluding(original, self, **kwargs):
+    """AROUND `CommonKVManager.conclude_transfer`: a Success becomes Failed with the reason when
+    this rank did not hand every page it owns to the transfer exactly once; the manifest of a
+    Success goes out with the status message (`attach_manifest`)."""
+    ledger = ledger_of(self)
+    room = kwargs.get("bootstrap_room")
+    if ledger is None or room is None:
+        return original(self, **kwargs)
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    status = kwargs.get("status")
+    if status not in (KVPoll.Success, KVPoll.Failed):
+        return original(self, **kwargs)
+    manifest, problem = self_check(ledger, room)
+    if status == KVPoll.Success and problem is not None:
+        logger.error("%s", problem)
+        kwargs.update(status=KVPoll.Failed, failure_reason=problem)
+    outgoing = self.__dict__[_OUTGOING]
+    if kwargs["status"] == KVPoll.Success and manifest is not None:
+        outgoing[room] = manifest
+    try:
+        return original(self, **kwargs)
+    finally:
+        outgoing.pop(room, None)
+
+
+def attach_manifest(original, self, **kwargs):
+    """AROUND `CommonKVManager._encode_kv_status_message`: append the manifest frame to this
+    rank's Success message (after the reason frame)."""
+    parts = original(self, **kwargs)
+    outgoing = self.__dict__.get(_OUTGOING)
+    if outgoing:
+        manifest = outgoing.get(kwargs.get("bootstrap_room"))
+        if manifest is not None:
+            parts = list(parts) + [encode_manifest(manifest)]
+    return parts
+
+
+def forget_sent_room(original, self, *args, **kwargs):
+    """AROUND `CommonKVSender.clear`: drop the room's ledger entry (aborted or timed-out rooms
+    never conclude)."""
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        ledger = ledger_of(self.kv_mgr)
+        if ledger is not None:
+            ledger.drop(self.bootstrap_room)
+
+
+# ---- decode side (no flag: keyed on the manifests a shared-KV prefill sends) -----------------------
+def read_manifest(original, self, msg):
+    """AROUND `CommonKVManager.parse_kv_status_message`: keep the manifest frame of a status
+    message for `verify_before_success` (the decode thread calls both, in that order)."""
+    parsed = original(self, msg)
+    if parsed is None:
+        return parsed
+    body = msg[1:] if self.kv_status_msg_tag is not None else msg
+    frame = body[4] if len(body) > 4 else b""
+    if frame.startswith(MANIFEST_TAG):
+        room, _, prefill_rank, _ = parsed
+        try:
+            manifest = decode_manifest(frame)
+        except ValueError as e:
+            manifest = str(e)
+        _state(self, _INBOX)[(room, prefill_rank)] = manifest
+    return parsed
+
+
+def verify_before_success(original, self, *, bootstrap_room, status, prefill_rank, failure_reason=None):
+    """AROUND `CommonKVManager.apply_prefill_status`: when the last expected Success of a room
+    whose senders send manifests arrives, commit only if the manifests cover every page position
+    exactly once from its owner; otherwise the room fails with the reason."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    manifest = _state(self, _INBOX).pop((bootstrap_room, prefill_rank), None)
+    rooms = _state(self, _MANIFESTS)
+    responders = self.prefill_response_tracker.get(bootstrap_room)
+    expected = self.required_prefill_response_num_table.get(bootstrap_room)
+
+    def apply(status, failure_reason):
+        return original(
+            self, bootstrap_room=bootstrap_room, status=status, prefill_rank=prefill_rank, failure_reason=failure_reason
+        )
+
+    current = self.request_status.get(bootstrap_room)
+    if status != KVPoll.Success or current in (None, KVPoll.Success, KVPoll.Failed) or responders is None:
+        return apply(status, failure_reason)  # not a Success, or the room is already decided
+    if manifest is not None:
+        room_manifests = rooms.setdefault(bootstrap_room, {})
+        if prefill_rank in room_manifests:
+            manifest = f"a second Success from prefill rank {prefill_rank}"
+        room_manifests[prefill_rank] = manifest
+    room_manifests = rooms.get(bootstrap_room)
+    done = responders | {prefill_rank}
+    if room_manifests is not None and expected is not None and len(done) >= expected:
+        rooms.pop(bootstrap_room, None)
+        reason = verify_manifests(bootstrap_room, room_manifests, done)
+        if reason is not None:
+            logger.error("%s", reason)
+            status, failure_reason = KVPoll.Failed, reason
+    return apply(status, failure_reason)
+
+
+def _expected_prefill_ranks(receiver) -> list[int]:
+    """Prefill unique ranks (`CommonKVManager._prefill_unique_rank`) a receiver waits for."""
+    info = getattr(receiver, "prefill_info", None)
+    if info is None or info.target_cp_ranks is None:
+        return []
+    tp_ranks = [info.target_tp_rank] if info.target_tp_rank is not None else list(info.target_tp_ranks or [])
+    return sorted(
+        tp * (info.pp_size * info.attn_cp_size) + pp * info.attn_cp_size + cp
+        for tp in tp_ranks
+        for pp in info.target_pp_ranks or [0]
+        for cp in info.target_cp_ranks
+    )
+
+
+def name_silent_ranks(original, self):
+    """AROUND `CommonKVReceiver._check_waiting_timeout`: a room that times out names the prefill
+    ranks whose status never came (the reason only; the outcome is SGLang's)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    result = original(self)
+    if result == KVPoll.Failed:
+        mgr, room = self.kv_mgr, self.bootstrap_room
+        expected = _expected_prefill_ranks(self)
+        done = mgr.prefill_response_tracker.get(room) or set()
+        silent = [r for r in expected if r not in done]
+        if len(expected) > 1 and silent:
+            with mgr.failure_lock:
+                reason = mgr.failure_records.get(room, "timed out")
+                mgr.failure_records[room] = (
+                    f"{reason}; no transfer status from prefill rank(s) {silent} "
+                    f"(success from {sorted(done)} of {expected})"
+                )
+        _state(mgr, _MANIFESTS).pop(room, None)
+    return result
+
+
+def forget_received_room(original, self, *args, **kwargs):
+    """AROUND `CommonKVReceiver._clear`: drop the room's manifests."""
+    room = self.bootstrap_room
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        _state(self.kv_mgr, _MANIFESTS).pop(room, None)
+        inbox = _state(self.kv_mgr, _INBOX)
+        for key in [k for k in list(inbox) if k[0] == room]:
+            inbox.pop(key, None)
+
+
+_COMMON = "sglang.srt.disaggregation.common.conn"
 HOOKS = [
-    ("sglang.srt.disaggregation.common.conn.CommonKVManager.__init__", refuse_unwired_prefill_transfer, "AROUND"),
+    (f"{_COMMON}.CommonKVManager.__init__", init_owner_sharded_manager, "AROUND"),
+    (f"{_COMMON}.CommonKVManager._register_topology_row", advertise_all_cp_ranks, "AROUND"),
+    (f"{_COMMON}.CommonKVManager.conclude_transfer", check_before_concluding, "AROUND"),
+    (f"{_COMMON}.CommonKVManager._encode_kv_status_message", attach_manifest, "AROUND"),
+    (f"{_COMMON}.CommonKVSender._prepare_send_indices", expect_owned_kv_pages, "AROUND"),
+    (f"{_COMMON}.CommonKVSender.clear", forget_sent_room, "AROUND"),
+    (f"{_COMMON}.CommonKVManager.parse_kv_status_message", read_manifest, "AROUND"),
+    (f"{_COMMON}.CommonKVManager.apply_prefill_status", verify_before_success, "AROUND"),
+    (f"{_COMMON}.CommonKVReceiver._check_waiting_timeout", name_silent_ranks, "AROUND"),
+    (f"{_COMMON}.CommonKVReceiver._clear", forget_received_room, "AROUND"),
 ]

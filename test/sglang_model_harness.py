@@ -1,0 +1,509 @@
+"""Drive SGLang 0.5.23's own DSA model forward (`DeepseekV32ForCausalLM`) on CPU.
+
+Used by test_sglang_model_forward.py; see docs/sglang_cpu_forward.md for what is SGLang's own
+code and what is replaced (and why). Every function here runs inside one rank process (spawned by
+`sglang_nsa_cp.comm.run_ranks`), after TRITON_INTERPRET=1 and SGLang's torch-fallback switches
+are set (`ENV`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+from types import SimpleNamespace
+from unittest import mock
+
+import torch
+
+PAGE = 64
+# SGLang's own CPU fallbacks: torch fp8 (paged) MQA logits, unfused torch top-k.
+ENV = {
+    "TRITON_INTERPRET": "1",
+    "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",
+    "SGLANG_DSA_FUSE_TOPK": "0",
+    "TORCHDYNAMO_DISABLE": "1",  # SGLang's @torch.compile helpers run eagerly (no C++ inductor build on 2 cores)
+}
+
+# Tiny DeepSeek-V3.2: real DSA shapes where kernels fix them (kv_lora_rank 512 + rope 64 = the
+# 576-value latent row, index_head_dim 128, page 64), tiny elsewhere. first_k_dense_replace =
+# num_hidden_layers: every layer has a dense MLP (no fused MoE kernel on CPU). index_topk 32 is
+# shorter than the contexts used, so the indexer's top-k really selects.
+TINY_V32 = {
+    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+    "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "n_routed_experts": 4, "n_shared_experts": 1,
+    "num_experts_per_tok": 2, "first_k_dense_replace": 2, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
+    "routed_scaling_factor": 1.0, "kv_lora_rank": 512, "q_lora_rank": 64, "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 64, "v_head_dim": 32, "index_topk": 32, "index_head_dim": 128, "index_n_heads": 2,
+    "vocab_size": 128, "max_position_embeddings": 1024, "rope_theta": 10000, "rms_norm_eps": 1e-6,
+    "torch_dtype": "bfloat16", "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+    "hidden_act": "silu", "attention_bias": False,
+    "rope_scaling": {"rope_type": "deepseek_yarn", "type": "yarn", "factor": 1.0,
+                     "original_max_position_embeddings": 1024, "beta_fast": 32, "beta_slow": 1,
+                     "mscale": 1.0, "mscale_all_dim": 1.0},
+}  # fmt: skip
+
+
+def random_checkpoint(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    """HF-format weights of the tiny model (names as in DeepSeek-V3.2's safetensors)."""
+    g = torch.Generator().manual_seed(seed)
+    h, heads, L = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    kvl, rope, ql = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["q_lora_rank"]
+    ih, inh, inter = cfg["index_head_dim"], cfg["index_n_heads"], cfg["intermediate_size"]
+
+    def w(*shape, scale=None):
+        scale = scale if scale is not None else shape[-1] ** -0.5
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+    def norm(n):
+        return (1 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)
+
+    sd = {"model.embed_tokens.weight": w(cfg["vocab_size"], h, scale=1.0), "model.norm.weight": norm(h),
+          "lm_head.weight": w(cfg["vocab_size"], h)}  # fmt: skip
+    for i in range(L):
+        p = f"model.layers.{i}."
+        sd.update({
+            p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
+            p + "self_attn.q_a_proj.weight": w(ql, h), p + "self_attn.q_a_layernorm.weight": norm(ql),
+            p + "self_attn.q_b_proj.weight": w(heads * qk, ql),
+            p + "self_attn.kv_a_proj_with_mqa.weight": w(kvl + rope, h),
+            p + "self_attn.kv_a_layernorm.weight": norm(kvl),
+            p + "self_attn.kv_b_proj.weight": w(heads * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), kvl),
+            p + "self_attn.o_proj.weight": w(h, heads * cfg["v_head_dim"]),
+            p + "self_attn.indexer.wq_b.weight": w(inh * ih, ql), p + "self_attn.indexer.wk.weight": w(ih, h),
+            p + "self_attn.indexer.k_norm.weight": norm(ih), p + "self_attn.indexer.k_norm.bias": w(ih, scale=0.1),
+            p + "self_attn.indexer.weights_proj.weight": w(inh, h),
+            p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h),
+            p + "mlp.down_proj.weight": w(h, inter),
+        })  # fmt: skip
+    return sd
+
+
+# The same model as GLM-5 (`GlmMoeDsaForCausalLM` subclasses SGLang's DeepseekV2ForCausalLM).
+TINY_GLM5 = dict(TINY_V32, architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa")
+
+
+def write_checkpoint(path: str, cfg: dict = TINY_V32, seed: int = 0) -> str:
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    save_file(random_checkpoint(cfg, seed), os.path.join(path, "model.safetensors"))
+    return path
+
+
+# ---- replacements (each one listed in docs/sglang_cpu_forward.md) ---------------------------------
+
+
+def sparse_mla_reference(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+    """Stands in for FlashMLA's `flash_mla_sparse_fwd` (CUDA only; SGLang has no torch path):
+    q [s_q, h, d_qk], kv [s_kv, 1, d_qk], indices [s_q, 1, topk] (-1 = unused) -> o [s_q, h, d_v]."""
+    assert attn_sink is None
+    idx = indices[:, 0].long()
+    valid = idx >= 0
+    if topk_length is not None:
+        valid &= torch.arange(idx.shape[1])[None, :] < topk_length.long()[:, None]
+    keys = kv[:, 0].float()[idx.clamp(min=0)]  # [s_q, topk, d_qk]
+    logits = torch.einsum("qhd,qkd->qhk", q.float(), keys) * sm_scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    p = torch.exp(logits - lse[..., None]).nan_to_num(0.0)
+    o = torch.einsum("qhk,qkd->qhd", p, keys[..., :d_v])
+    return o.to(q.dtype), logits.amax(-1), lse
+
+
+def _rope_native_any_rank(rope):
+    """SGLang's own `DeepseekScalingRotaryEmbedding.forward_native`, called with [T, heads, dim]
+    operands: its neox branch (`cos.repeat(1, 1, 2)`) adds a leading dim and only broadcasts
+    right for 3-D inputs, while the indexer passes a 2-D key. (CUDA runs SGLang's rope kernel.)"""
+
+    def forward(positions, query, key, offsets=None):
+        t, d = positions.shape[0], rope.head_size
+        q, k = rope.forward_native(positions, query.reshape(t, -1, d), key.reshape(t, -1, d), offsets)
+        return q.reshape(query.shape), k.reshape(key.shape)
+
+    return forward
+
+
+def hadamard_reference(x, scale=1.0):
+    """Stands in for the `sglang::hadamard_transform` custom op (CUDA only): x @ H_n * scale with
+    the Sylvester-ordered Hadamard matrix over the last dim (the fast Walsh-Hadamard transform)."""
+    n = x.shape[-1]
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (x.float() @ h * scale).to(x.dtype)
+
+
+def _patch_source(cls, name, old, new):
+    """Recompile SGLang's own `cls.name` with one CUDA-only line swapped (textual, checked)."""
+    import inspect
+    import textwrap
+
+    fn = getattr(cls, name)
+    src = textwrap.dedent(inspect.getsource(fn))
+    assert src.count(old) == 1, f"{cls.__name__}.{name}: {old!r} not found once"
+    src = src.replace(old, new)
+    namespace = {}
+    exec(compile(src, inspect.getsourcefile(fn), "exec"), fn.__globals__, namespace)
+    setattr(cls, name, namespace[name])
+
+
+class _SerialStream:
+    """CPU stand-in for a CUDA stream: CPU work is already in program order, so waits and events
+    are no-ops (SGLang's CP code overlaps its all-gathers on side streams)."""
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def record_event(self, *a, **k):
+        return _SerialEvent()
+
+    def synchronize(self):
+        pass
+
+
+class _SerialEvent:
+    def record(self, *a, **k):
+        pass
+
+    def wait(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def install_cuda_stream_stand_in():
+    import contextlib
+
+    torch.cuda.current_stream = lambda *a, **k: _SerialStream()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+
+
+def install_flash_mla_stand_in():
+    mod = types.ModuleType("sglang.kernels.ops.attention.flash_mla_interface")
+    mod.flash_mla_sparse_fwd = sparse_mla_reference
+    sys.modules[mod.__name__] = mod
+
+
+# ---- process setup ---------------------------------------------------------------------------------
+
+
+def setup_process(rank: int, world: int, model_path: str, cp_size: int):
+    """Publish ServerArgs, build SGLang's process groups (gloo) and the model with random weights."""
+    for k, v in ENV.items():
+        os.environ[k] = v
+    install_flash_mla_stand_in()
+    install_cuda_stream_stand_in()
+    from sglang.srt.distributed import parallel_state
+
+    parallel_state._is_cpu = True  # GroupCoordinator's CPU branch: torch.distributed collectives (gloo)
+    import sglang.kernels.ops.quantization.hadamard as hadamard
+
+    hadamard.hadamard_transform = hadamard_reference  # imported lazily by dsa_indexer.rotate_activation
+    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    kw = dict(model_path=model_path, device="cpu", attention_backend="dsa", kv_cache_dtype="bfloat16",
+              dsa_prefill_backend="flashmla_sparse", dsa_decode_backend="flashmla_sparse", dsa_topk_backend="torch",
+              skip_tokenizer_init=True, tp_size=world, moe_dense_tp_size=1)  # fmt: skip
+    if cp_size > 1:
+        kw.update(enable_prefill_cp=True, cp_strategy="interleave", attn_cp_size=cp_size)
+    sa = ServerArgs(**kw)
+    reset_context()
+    with mock.patch("torch.cuda.get_device_capability", lambda *a, **k: (9, 0)):  # resolution reads the SM
+        publish(sa, role="test", ranks=SpawnRanks(world_rank=rank))
+    # torch.distributed is already up (gloo, from run_ranks): SGLang builds its groups on it.
+    init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo")
+    initialize_model_parallel(backend="gloo")
+    return sa
+
+
+def build_model(sa, seed: int = 0):
+    """SGLang's `DeepseekV32ForCausalLM` from the checkpoint, with the CPU stand-ins of
+    docs/sglang_cpu_forward.md applied to its indexer and rope modules."""
+    from safetensors.torch import load_file
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers.attention.dsa import dsa_indexer
+    from sglang.srt.layers.attention.dsa.dsa_indexer import Indexer
+    from sglang.srt.layers.rotary_embedding import base as rope_base
+    from sglang.srt.layers.rotary_embedding.rope_variant import DeepseekScalingRotaryEmbedding
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+    from sglang.srt.models.deepseek_v2 import DeepseekV32ForCausalLM
+    from sglang.srt.models.glm4_moe import GlmMoeDsaForCausalLM
+
+    mc = ModelConfig.from_server_args(sa)
+    # RotaryEmbedding.__init__ imports vllm's rope kernel on a platform that is neither CUDA nor
+    # SGLang's CPU engine; forward dispatch uses forward_native there anyway.
+    rope_base._is_cpu = True
+    torch.manual_seed(seed)
+    with set_default_torch_dtype(torch.bfloat16):  # as SGLang's model loader builds it
+        arch = mc.hf_config.architectures[0]
+        model = {c.__name__: c for c in (DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM)}[arch](mc.hf_config)
+    weights = load_file(os.path.join(sa.model_path, "model.safetensors"))
+    model.load_weights(iter(weights.items()))  # SGLang's loader (fuses q_a/kv_a, gate/up; post_load_weights)
+
+    dsa_indexer.can_use_dsa_fused_store = lambda *a: False  # SGLang's answer when its JIT store kernel cannot build
+    # DeepGEMM's paged-logits schedule (a CUDA JIT kernel here); the torch paged logits ignore it.
+    dsa_indexer.resolve_paged_mqa_logits_metadata_fn = lambda: (lambda *a, **k: None)
+    # forward_cuda's store + top-k branch is gated on the platform (set after __init__, which
+    # queries the CUDA SM count).
+    dsa_indexer._is_cuda = True
+    # The ragged prefill top-k sizes its logits chunks from the CUDA device's free memory.
+    _patch_source(Indexer, "_get_topk_ragged", 'assert device_index is not None, "q_fp8 must be on an indexed CUDA device"', "device_index = 0")
+    Indexer._get_mqa_logits_budget_bytes = lambda self, device_index: 1 << 30
+    for m in model.modules():
+        if isinstance(m, Indexer):  # the platform dispatch CUDA makes (its native path raises)
+            m._forward_method = m.forward_cuda
+            m.sm_count = 1  # resolve_num_sms() asks the CUDA device; only sizes the paged-logits schedule
+            # its non-CUDA branch: torch.mm(..., out_dtype=float32) exists on CUDA/XPU only
+            m._weights_proj_bf16_in_fp32_out = lambda x, m=m: m.weights_proj(x)[0].float()
+        if isinstance(m, DeepseekScalingRotaryEmbedding):
+            m._forward_method = _rope_native_any_rank(m)
+    return mc, model
+
+
+# ---- the pools, the backend, the batch -------------------------------------------------------------
+
+
+class Engine:
+    """One rank's model, KV pool, DSA backend and request table: what SGLang's ModelRunner holds."""
+
+    def __init__(self, sa, mc, model, pool_pages: int, cp_group=None):
+        from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+        from sglang.srt.runtime_context import get_parallel
+
+        cfg = mc.hf_config
+        self.sa, self.mc, self.model = sa, mc, model
+        kw = dict(size=pool_pages * PAGE, page_size=PAGE, kv_lora_rank=cfg.kv_lora_rank, dtype=torch.bfloat16,
+                  qk_rope_head_dim=cfg.qk_rope_head_dim, layer_num=cfg.num_hidden_layers, device="cpu",
+                  index_head_dim=cfg.index_head_dim, enable_memory_saver=False,
+                  kv_cache_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim)  # fmt: skip
+        par = get_parallel()
+        if cp_group is not None:  # the plugin's pool, as its _build_dsa_kv_pool hook builds it
+            from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import SharedKVDSATokenToKVPool
+
+            self.pool = SharedKVDSATokenToKVPool(**kw, cp_rank=par.attn_cp_rank, cp_size=par.attn_cp_size, cp_group=cp_group)
+        else:
+            self.pool = DSATokenToKVPool(**kw)
+        self.pool_bytes = self.pool.get_kv_size_bytes()
+        self.trace = []  # per forward: whether SGLang's CP path ran, rows handed to the logits
+        self.req_to_token = torch.zeros((8, 1024), dtype=torch.int32)
+        self.req_to_token_pool = SimpleNamespace(req_to_token=self.req_to_token, size=8)
+        self.rebind_pool(self.pool)
+
+    def rebind_pool(self, pool):
+        """(Re)build SGLang's DSA backend over `pool`, as ModelRunner does at start-up."""
+        from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
+
+        self.pool = pool
+        runner = SimpleNamespace(
+            device="cpu", page_size=PAGE, model_config=self.mc, token_to_kv_pool=pool,
+            req_to_token_pool=self.req_to_token_pool, is_draft_worker=False, hisparse_coordinator=None,
+            kv_cache_dtype=torch.bfloat16, server_args=self.sa, model=self.model,
+        )  # fmt: skip
+        with mock.patch("torch.cuda.get_device_capability", lambda *a, **k: (9, 0)):
+            self.backend = DeepseekSparseAttnBackend(runner)
+        runner.attn_backend = self.backend
+        self.runner = runner
+
+    # ---- SGLang's request bookkeeping, reduced: a seeded shuffle of logical pages 1.. ----------
+    def init_requests(self, seed: int):
+        import random
+
+        self.free = list(range(1, self.pool.size // PAGE))
+        random.Random(seed).shuffle(self.free)
+        self.pages, self.lens = {}, {}
+
+    def fork(self, idx, source, length):
+        """A radix-cache hit: request `idx` starts with `source`'s first `length` tokens."""
+        assert length % PAGE == 0
+        self.pages[idx] = list(self.pages[source][: length // PAGE])
+        self.lens[idx] = length
+        self.req_to_token[idx, :length] = self.req_to_token[source, :length]
+
+    def _alloc(self, batch):
+        prefix, seq, locs = [], [], []
+        for idx, n in batch:
+            start = self.lens.get(idx, 0)
+            pages = self.pages.setdefault(idx, [])
+            while len(pages) * PAGE < start + n:
+                pages.append(self.free.pop())
+            pos = torch.arange(start, start + n)
+            loc = torch.tensor(pages)[pos // PAGE] * PAGE + pos % PAGE
+            self.req_to_token[idx, start : start + n] = loc.to(torch.int32)
+            self.lens[idx] = start + n
+            prefix.append(start)
+            seq.append(start + n)
+            locs.append(loc)
+        return prefix, seq, torch.cat(locs).long()
+
+    def forward_batch(self, batch, token_ids, decode=False):
+        """SGLang's ForwardBatch for `batch` = [(request index, new tokens)]; `token_ids[idx]` the
+        request's whole token sequence."""
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+
+        prefix, seq, loc = self._alloc(batch)
+        extend = [s - p for s, p in zip(seq, prefix)]
+        ids = torch.cat([token_ids[i][p:s] for (i, _), p, s in zip(batch, prefix, seq)])
+        positions = torch.cat([torch.arange(p, s) for p, s in zip(prefix, seq)])
+        seq_t = torch.tensor(seq)
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
+            batch_size=len(batch),
+            input_ids=ids,
+            req_pool_indices=torch.tensor([i for i, _ in batch]),
+            seq_lens=seq_t,
+            out_cache_loc=loc,
+            seq_lens_sum=int(seq_t.sum()),
+            seq_lens_cpu=seq_t.clone(),
+            positions=positions,
+            return_logprob=False,
+            capture_hidden_mode=CaptureHiddenMode.NULL,
+        )
+        if not decode:
+            fb.extend_num_tokens = int(sum(extend))
+            fb.extend_seq_lens = torch.tensor(extend)
+            fb.extend_prefix_lens = torch.tensor(prefix)
+            fb.extend_start_loc = torch.cumsum(fb.extend_seq_lens, 0) - fb.extend_seq_lens
+            fb.extend_seq_lens_cpu = list(extend)
+            fb.extend_prefix_lens_cpu = list(prefix)
+            fb.extend_logprob_start_lens_cpu = list(extend)
+        return fb
+
+    def run(self, fb):
+        """SGLang's EagerRunner._execute_extend / _execute_decode, minus its load/timer plumbing."""
+        from sglang.srt.layers.cp.utils import is_cp_active, prepare_cp_forward
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+        from sglang.srt.model_executor.runner.eager_runner import EagerRunner
+        from sglang.srt.runtime_context import get_parallel
+
+        with torch.no_grad(), forward_context(ForwardContext(attn_backend=self.backend), forward_batch=fb):
+            cp_active = fb.forward_mode.is_extend() and is_cp_active(fb)
+            self.trace.append({"cp_active": cp_active})
+            if cp_active:
+                prepare_cp_forward(fb)
+            self.backend.init_forward_metadata(fb)
+            if not cp_active:
+                fb.attn_cp_metadata = None
+            if cp_active and not get_parallel().enable_cp_tp_group_sharing:
+                out = EagerRunner._execute_extend_cp(SimpleNamespace(model_runner=self.runner), fb, {})
+            else:
+                out = self.model.forward(fb.input_ids, fb.positions, fb)
+        return out.next_token_logits.float()
+
+
+# ---- one rank's scenario ---------------------------------------------------------------------------
+
+# Prefill batches (request index, new tokens), then one decode step for every request.
+BATCHES = [
+    [(0, 70), (1, 9)],  # new requests (no history)
+    [(0, 60), (1, 4)],  # continuations: prefixes ending mid-page, request 0 crossing into a third page
+    [(2, 3), (1, 2), (3, 1)],  # request 2 shares request 0's first page (radix hit); a new request
+]
+DECODE = [(0, 1), (1, 1), (2, 1), (3, 1)]
+MAX_TOKENS = 256
+
+
+def token_ids(seed: int = 5) -> dict[int, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {i: torch.randint(2, TINY_V32["vocab_size"], (MAX_TOKENS,), generator=g) for i in range(4)}
+
+
+def _replicated_pool_from_owners(engine):
+    """What the owned-page PD transfer hands a non-CP decode instance: every logical page from its
+    owner (page p on rank p % N, local page p // N), assembled into SGLang's unmodified pool."""
+    import torch.distributed as dist
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+    shared, n = engine.pool, engine.pool.cp_size
+    full = DSATokenToKVPool(
+        size=shared.size, page_size=PAGE, kv_lora_rank=shared.kv_lora_rank, dtype=torch.bfloat16,
+        qk_rope_head_dim=shared.qk_rope_head_dim, layer_num=shared.layer_num, device="cpu",
+        index_head_dim=128, enable_memory_saver=False, kv_cache_dim=shared.kv_cache_dim,
+    )  # fmt: skip
+    local_pages = shared.store.local_pages - 1  # minus the trash page
+    pages = shared.num_logical_pages
+    for layer in range(shared.layer_num):
+        for src, dst in ((shared.store.latent[layer].view(shared.store.local_pages, -1), full.kv_buffer[layer].view(pages, -1)),
+                         (shared.store.index[layer], full.index_k_with_scale_buffer[layer])):  # fmt: skip
+            mine = src[:local_pages].contiguous()
+            gathered = torch.empty((n * local_pages, *mine.shape[1:]), dtype=mine.dtype)
+            dist.all_gather_into_tensor(gathered.view(torch.uint8), mine.view(torch.uint8), group=shared.cp_group)
+            gathered = gathered.view(n, local_pages, -1)
+            for p in range(1, pages):  # page 0: SGLang's padding page
+                dst[p] = gathered[p % n, p // n]
+    return full
+
+
+def _record_tail_rows(engine):
+    """Wrap the `cp_gather_after_forward` EagerRunner calls (the plugin's hook when loaded) to
+    record how many hidden rows reach the logits processor."""
+    from sglang.srt.model_executor.runner import eager_runner
+
+    inner = eager_runner.cp_gather_after_forward
+
+    def recorded(hidden_states, forward_batch, stream=None):
+        out = inner(hidden_states, forward_batch, stream)
+        engine.trace[-1]["tail_rows"] = int(out.shape[0])
+        return out
+
+    eager_runner.cp_gather_after_forward = recorded
+
+
+def run_scenario(rank, world, group, model_path, mode):
+    """mode: 'off' (1 rank, no CP), 'replicated' (SGLang's CP, every rank keeps all KV) or
+    'shared' (the plugin's pool and tail gather). Returns each batch's next-token logits."""
+    import time
+
+    from sglang.srt.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+    from sglang.srt.runtime_context import get_parallel
+
+    t0 = time.monotonic()
+    cp = 1 if mode == "off" else world
+    sa = setup_process(rank, world, model_path, cp)
+    if mode == "shared":
+        from sglang.srt.plugins import load_plugins
+
+        from sglang_nsa_cp.sglang_ext.server_args import ATTR
+
+        load_plugins()  # the plugin's entry point, as every SGLang process does
+        setattr(sa, ATTR, True)  # the decision its start-up validation writes (see docs)
+    mc, model = build_model(sa)
+    cp_group = get_parallel().attn_cp_group.device_group if mode == "shared" else None
+    engine = Engine(sa, mc, model, pool_pages=24, cp_group=cp_group)
+    _record_tail_rows(engine)
+    info = dict(pool=type(engine.pool).__name__, sharded_pool_seen=engine.backend._kv_shard_pool is engine.pool)
+    if mode == "shared":
+        from sglang_nsa_cp.comm import TrafficCounter
+
+        engine.pool.counter = TrafficCounter()
+    engine.init_requests(seed=3)
+    toks = token_ids()
+    logits, timings = [], {"build": time.monotonic() - t0}
+    for b, batch in enumerate(BATCHES):
+        if b == 2:
+            engine.fork(2, source=0, length=PAGE)
+        t = time.monotonic()
+        logits.append(engine.run(engine.forward_batch(batch, toks)))
+        timings[f"prefill{b}"] = time.monotonic() - t
+    if mode == "shared":  # decode on a non-CP instance: pages from their owners
+        info["gathered"] = engine.pool.counter.as_dict()
+        engine.pool.end_shard_extend()
+        engine.rebind_pool(_replicated_pool_from_owners(engine))
+    t = time.monotonic()
+    logits.append(engine.run(engine.forward_batch(DECODE, toks, decode=True)))
+    timings["decode"] = time.monotonic() - t
+    out = dict(logits=logits, timings=timings, pool_bytes=int(engine.pool_bytes), trace=engine.trace, **info)
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    return out

@@ -1,0 +1,656 @@
+"""CPU, ~80-120 s (two runs of 5 and 4 processes, each importing SGLang, on 2 cores): the
+owned-page PD transfer inside SGLang 0.5.23's Mooncake disaggregation (sglang_ext/disaggregation/).
+
+Every role is its own spawned process running SGLang's real classes over Mooncake's TCP transport
+on 127.0.0.1, the way a prefill CP rank and a decode scheduler run them:
+
+- prefill CP rank r of N: `SharedKVDSATokenToKVPool` (the plugin's pool; its shard holds logical
+  page p % N == r at local page p // N, filled with a byte pattern of (page, layer, kind)), the
+  KV manager built by SGLang's own `PrefillBootstrapQueue._init_kv_manager` (buffer registration,
+  DSA state set-up, `MooncakeKVManager` with its bootstrap and transfer threads), the plugin loaded
+  through its entry point, and per request a `MooncakeKVSender` driven like
+  `Scheduler._send_kv_chunk` drives it (`init`, `send` per chunk of logical page ids, the DSA
+  state pages on the last chunk, `poll`). Rank 0 also runs SGLang's bootstrap server.
+- decode: a stock `DSATokenToKVPool` (no CP), the manager built by
+  `DecodePreallocQueue._init_kv_manager`, and per request a `MooncakeKVReceiver`
+  (`try_ensure_parallel_info`, `init`, `send_metadata` with its destination pages, `poll`). One
+  decode loads the plugin (no flag), one is stock SGLang (plugin not loaded).
+
+Checked: a committed request's pages (MLA latent and index-K, every layer) are at the decode pages
+of their positions and nothing else in the decode pool changed; each rank writes exactly its owned
+pages (bytes = owned pages x page bytes + the request's metadata), runs coalesced; a rank that
+never sends, a page a rank drops (caught by the rank's self-check, or with that bypassed by the
+decode's manifest check) fail the request with a reason naming the problem, and the next request
+commits. Not run here: the scheduler loop around these calls (the CP all-reduce of poll states,
+the radix cache, chunked-prefill scheduling), RDMA, GPU memory.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import queue  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from sglang_nsa_cp.comm.launch import free_port  # noqa: E402
+
+PAGE = 64
+LAYERS = 2
+KV_DIM = 576
+KV_PAGE_BYTES = PAGE * KV_DIM * 2  # bf16 latent rows of one page, one layer
+INDEX_PAGE_BYTES = PAGE * 132  # fp8 keys + fp32 scales of one page, one layer
+PREFILL_PAGES = 48  # logical pages of the prefill pool (page 0: SGLang's padding page)
+DECODE_PAGES = 96
+WAITING_TIMEOUT_S = 6  # decode: SGLANG_DISAGGREGATION_WAITING_TIMEOUT
+SENTINEL = 0xEE
+
+
+def _env(waiting_timeout=None):
+    os.environ.update(
+        TRITON_INTERPRET="1", MOONCAKE_PROTOCOL="tcp", MC_FORCE_TCP="1", OMP_NUM_THREADS="1",
+        SGLANG_DISAGGREGATION_THREAD_POOL_SIZE="2", SGLANG_DISAGGREGATION_QUEUE_SIZE="1",
+        SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="60", SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL="5",
+    )  # fmt: skip
+    if waiting_timeout is not None:
+        os.environ["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = str(waiting_timeout)
+    torch.set_num_threads(1)
+
+
+def _pattern(logical: int, layer: int, kind: int, nbytes: int) -> torch.Tensor:
+    """The bytes of one page of one layer: kind 0 = MLA latent, 1 = index K/scale."""
+    base = (logical * 131 + layer * 17 + kind * 7) % 251
+    return ((torch.arange(nbytes, dtype=torch.int64) * (2 * kind + 3) + base) % 251).to(torch.uint8)
+
+
+def _pool_kwargs(size):
+    return dict(size=size, page_size=PAGE, kv_lora_rank=512, dtype=torch.bfloat16, qk_rope_head_dim=64,
+                layer_num=LAYERS, device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=KV_DIM)  # fmt: skip
+
+
+def _publish(mode, cp_size, cp_rank, bootstrap_port, shared_kv):
+    from sglang.srt.runtime_context import get_context, get_parallel
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_nsa_cp.sglang_ext.server_args import ATTR
+
+    server_args = ServerArgs(
+        model_path="dummy", device="cpu", host="127.0.0.1", port=free_port(), page_size=PAGE,
+        disaggregation_mode=mode, disaggregation_transfer_backend="mooncake",
+        disaggregation_bootstrap_port=bootstrap_port, tp_size=cp_size, attn_cp_size=cp_size,
+        enable_prefill_cp=cp_size > 1,
+    )  # fmt: skip
+    if shared_kv:
+        setattr(server_args, ATTR, True)  # what the plugin's start-up validation writes
+    get_context().set_server_args(server_args)
+    get_parallel().override_permanently(
+        tp_rank=cp_rank, attn_cp_rank=cp_rank, attn_tp_rank=0, attn_dp_rank=0, pp_rank=0, attn_dcp_rank=0, dp_rank=None,
+        pp_group=SimpleNamespace(world_size=1, rank_in_group=0, is_first_rank=True, is_last_rank=True),
+    )
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import init_mooncake_transfer_engine
+
+    init_mooncake_transfer_engine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
+    return server_args
+
+
+def _load_plugin():
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # entry-point discovery, register(), HookRegistry.apply_hooks()
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    assert "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.maybe_send_extra" in HookRegistry._patched
+
+
+def _scheduler_stub(server_args, **extra):
+    model_runner = SimpleNamespace(kv_cache_dtype_str="bfloat16")
+    return SimpleNamespace(
+        rust_server=None, tp_worker=SimpleNamespace(model_runner=model_runner), enable_hisparse=False,
+        model_config=SimpleNamespace(hf_text_config=SimpleNamespace(), num_hidden_layers=LAYERS),
+        server_args=server_args, **extra,
+    )  # fmt: skip
+
+
+def _metadata_buffers():
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+
+    return MetadataBuffers(16, 16, torch.float32, 1, max_top_logprobs_num=1)
+
+
+def _wait(poll, done, deadline_s, what, interval_s=0.02):
+    deadline = time.monotonic() + deadline_s
+    while True:
+        state = poll()
+        if done(state):
+            return state
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: still {state!r} after {deadline_s} s")
+        time.sleep(interval_s)
+
+
+def _status_name(status):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    return {int(getattr(KVPoll, n)): n for n in ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")}[int(status)]
+
+
+def _port_open(port):
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _exit(results):
+    """Leave without the interpreter's teardown (Mooncake's and SGLang's threads make it slow)."""
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+# ---- the prefill CP rank ----------------------------------------------------------------------------
+class _Traffic:
+    """Bytes and batch entries each request's transfers wrote, from SGLang's `_transfer_data`
+    (the one call under every Mooncake write), attributed with the room of the chunk the worker
+    thread took off its queue."""
+
+    def __init__(self):
+        self.local = threading.local()
+        self.lock = threading.Lock()
+        self.rooms = {}
+
+    def install(self):
+        from sglang.srt.disaggregation.common.utils import FastQueue
+        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+        traffic, get, transfer, send_aux = self, FastQueue.get, MooncakeKVManager._transfer_data, MooncakeKVManager.send_aux
+
+        def tagged_get(q):
+            item = get(q)
+            traffic.local.room = getattr(item, "room", None)
+            return item
+
+        def counted_transfer(mgr, session, blocks):
+            kind = "aux" if getattr(traffic.local, "aux", False) else "pages"
+            with traffic.lock:
+                stats = traffic.rooms.setdefault(traffic.local.room, {"pages": [0, 0], "aux": [0, 0]})
+                stats[kind][0] += sum(length for _, _, length in blocks)
+                stats[kind][1] += len(blocks)
+            return transfer(mgr, session, blocks)
+
+        def flagged_send_aux(mgr, *args, **kwargs):
+            traffic.local.aux = True
+            try:
+                return send_aux(mgr, *args, **kwargs)
+            finally:
+                traffic.local.aux = False
+
+        FastQueue.get, MooncakeKVManager._transfer_data, MooncakeKVManager.send_aux = tagged_get, counted_transfer, flagged_send_aux
+
+
+def _fill_shard(pool, rank, cp_size):
+    for layer in range(LAYERS):
+        latent = pool.store.latent[layer].view(torch.uint8).view(pool.store.local_pages, -1)
+        index = pool.store.index[layer]
+        assert latent.shape[1] == KV_PAGE_BYTES and index.shape[1] == INDEX_PAGE_BYTES
+        for logical in range(rank, pool.num_logical_pages, cp_size):
+            latent[logical // cp_size] = _pattern(logical, layer, 0, KV_PAGE_BYTES)
+            index[logical // cp_size] = _pattern(logical, layer, 1, INDEX_PAGE_BYTES)
+
+
+def _install_faults(rank, faults):
+    """Test-only faults, applied outside the plugin's hooks: `drop`: rooms where this rank loses
+    its first owned page after SGLang's filtering; `bypass`: rooms where its self-check is skipped."""
+    from sglang.srt.disaggregation.common.conn import CommonKVSender
+
+    import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as plugin_conn
+
+    drop, bypass = faults.get(("drop", rank), set()), faults.get(("bypass", rank), set())
+    dropped = set()
+    prepare = CommonKVSender._prepare_send_indices
+
+    def lossy_prepare(sender, kv_indices, state_indices=None):
+        out = prepare(sender, kv_indices, state_indices)
+        room = sender.bootstrap_room
+        if room in drop and room not in dropped and len(out[0]) > 0:
+            dropped.add(room)
+            return (out[0][1:], out[1][1:]) + tuple(out[2:])
+        return out
+
+    self_check = plugin_conn.self_check
+
+    def lenient_self_check(ledger, room):
+        manifest, problem = self_check(ledger, room)
+        return manifest, (None if room in bypass else problem)
+
+    CommonKVSender._prepare_send_indices = lossy_prepare
+    plugin_conn.self_check = lenient_self_check
+
+
+def _prefill_rank(rank, cp_size, bootstrap_port, requests, faults, results, stop):
+    try:
+        _env()
+        _load_plugin()
+        server_args = _publish("prefill", cp_size, rank, bootstrap_port, shared_kv=True)
+        from sglang.srt.disaggregation.base.conn import KVPoll
+        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVBootstrapServer, MooncakeKVSender
+        from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+        from sglang.srt.disaggregation.utils import TransferBackend
+        from sglang.srt.runtime_context import get_parallel
+
+        from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import SharedKVDSATokenToKVPool
+
+        if rank == 0:  # in SGLang the prefill's HTTP server process runs it
+            MooncakeKVBootstrapServer("127.0.0.1", bootstrap_port)
+        _wait(lambda: _port_open(bootstrap_port), bool, 90, "bootstrap server", interval_s=0.2)
+        with get_parallel().override(attn_dcp_size=1, dcp_enabled=False):
+            pool = SharedKVDSATokenToKVPool(**_pool_kwargs((PREFILL_PAGES - 1) * PAGE), cp_rank=rank, cp_size=cp_size, cp_group=None)
+        _fill_shard(pool, rank, cp_size)
+        traffic = _Traffic()
+        traffic.install()
+        _install_faults(rank, faults)
+        queue_stub = SimpleNamespace(
+            transfer_backend=TransferBackend.MOONCAKE, tp_rank=rank, pp_rank=0, token_to_kv_pool=pool,
+            draft_token_to_kv_pool=None, is_mla_backend=True, metadata_buffers=_metadata_buffers(),
+            scheduler=_scheduler_stub(server_args),
+        )  # fmt: skip
+        mgr = PrefillBootstrapQueue._init_kv_manager(queue_stub)
+        assert mgr.enable_all_cp_ranks_for_transfer and not mgr.is_dummy_cp_rank
+        assert (mgr.kv_shard_rank, mgr.kv_shard_size) == (rank, cp_size)
+        info = {"kv_item_lens": list(mgr.kv_args.kv_item_lens), "state_item_lens": [list(x) for x in mgr.kv_args.state_item_lens],
+                "aux_bytes": sum(mgr.kv_args.aux_item_lens)}  # fmt: skip
+        results.put(("ready", rank, info))
+
+        def serve(req):
+            room = req["room"]
+            if rank in req.get("silent", ()):
+                return {"status": "silent"}
+            sender = MooncakeKVSender(mgr, f"127.0.0.1:{bootstrap_port}", room)
+            _wait(sender.poll, lambda s: s in (KVPoll.WaitingForInput, KVPoll.Failed), 60, f"room {room} bootstrap")
+            pages = np.asarray(req["pages"], dtype=np.int32)
+            sender.init(len(pages), aux_index=req["aux"])
+            start = 0
+            for i, size in enumerate(req["chunks"]):
+                last = i == len(req["chunks"]) - 1
+                sender.send(pages[start : start + size], [pages.copy()] if last else None)
+                start += size
+            status = _wait(sender.poll, lambda s: s in (KVPoll.Success, KVPoll.Failed), 60, f"room {room} transfer")
+            with mgr.failure_lock:
+                reason = mgr.failure_records.get(room)
+            sender.clear()
+            with traffic.lock:
+                stats = traffic.rooms.get(room, {"pages": [0, 0], "aux": [0, 0]})
+            return {"status": _status_name(status), "reason": reason, "stats": stats}
+
+        def run(req):
+            try:
+                results.put(("room", rank, req["room"], serve(req)))
+            except BaseException:
+                results.put(("error", rank, traceback.format_exc()))
+
+        threads = [threading.Thread(target=run, args=(req,), daemon=True) for req in requests]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        results.put(("done", rank, None))
+        stop.wait(timeout=300)
+    except BaseException:
+        results.put(("error", rank, traceback.format_exc()))
+    _exit(results)
+
+
+# ---- the decode instance ------------------------------------------------------------------------------
+def _decode(name, plugin, bootstrap_port, requests, results, stop):
+    try:
+        _env(waiting_timeout=WAITING_TIMEOUT_S)
+        if plugin:
+            _load_plugin()
+        server_args = _publish("decode", 1, 0, bootstrap_port, shared_kv=False)
+        from sglang.srt.disaggregation.base.conn import KVPoll
+        from sglang.srt.disaggregation.decode import DecodePreallocQueue
+        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
+        from sglang.srt.disaggregation.utils import TransferBackend
+        from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+        from sglang.srt.runtime_context import get_parallel
+
+        if not plugin:
+            from sglang.srt.plugins.hook_registry import HookRegistry
+
+            assert not HookRegistry._patched, "the stock decode must run without the plugin"
+        with get_parallel().override(attn_dcp_size=1, dcp_enabled=False):
+            pool = DSATokenToKVPool(**_pool_kwargs((DECODE_PAGES - 1) * PAGE))
+        latent = [pool.kv_buffer[i].view(torch.uint8).view(-1, KV_PAGE_BYTES) for i in range(LAYERS)]
+        index = [pool.index_key_cache.buffer[i] for i in range(LAYERS)]
+        for t in latent + index:
+            t.fill_(SENTINEL)
+        queue_stub = SimpleNamespace(
+            transfer_backend=TransferBackend.MOONCAKE, tp_rank=0, pp_rank=0, token_to_kv_pool=pool,
+            draft_token_to_kv_pool=None, is_mla_backend=True, metadata_buffers=_metadata_buffers(),
+            enable_staging=False, scheduler=_scheduler_stub(server_args),
+        )  # fmt: skip
+        mgr = DecodePreallocQueue._init_kv_manager(queue_stub)
+        addr = f"127.0.0.1:{bootstrap_port}"
+        _wait(lambda: mgr.try_ensure_parallel_info(addr), bool, 90, "prefill bootstrap", interval_s=0.5)
+        info = mgr.prefill_info_table[addr]
+        results.put(("ready", name, {"target_cp_ranks": list(info.target_cp_ranks),
+                                     "required": info.required_prefill_response_num}))  # fmt: skip
+        used: set[int] = set()
+        for req in requests:
+            room, dst = req["room"], np.asarray(req["dst"], dtype=np.int32)
+            t_room = time.monotonic()
+            receiver = MooncakeKVReceiver(mgr, addr, room)
+            receiver.init(prefill_dp_rank=0)
+            receiver.send_metadata(dst, req["aux"], [dst.copy()])
+            status = _wait(receiver.poll, lambda s: s in (KVPoll.Success, KVPoll.Failed), 60, f"room {room}")
+            with mgr.failure_lock:
+                reason = mgr.failure_records.get(room)
+            receiver.clear()
+            used.update(int(d) for d in dst)
+            wrong = []
+            if status == KVPoll.Success:
+                for k, (logical, page) in enumerate(zip(req["pages"], dst)):
+                    for layer in range(LAYERS):
+                        if not torch.equal(latent[layer][page], _pattern(logical, layer, 0, KV_PAGE_BYTES)):
+                            wrong.append(("latent", k, layer))
+                        if not torch.equal(index[layer][page], _pattern(logical, layer, 1, INDEX_PAGE_BYTES)):
+                            wrong.append(("index", k, layer))
+            untouched = [p for p in range(DECODE_PAGES) if p not in used]
+            stray = [p for p in untouched for t in (latent + index) if not bool((t[p] == SENTINEL).all())]
+            results.put(("room", name, room, {"status": _status_name(status), "reason": reason, "wrong": wrong, "stray": stray,
+                                              "seconds": round(time.monotonic() - t_room, 2)}))
+        results.put(("done", name, None))
+        stop.wait(timeout=300)
+    except BaseException:
+        results.put(("error", name, traceback.format_exc()))
+    _exit(results)
+
+
+# ---- the harness --------------------------------------------------------------------------------------
+def _run(cp_size, decodes, prefill_requests, faults, timeout_s=240):
+    """Start N prefill ranks and the decodes; return their reports. decodes: {name: (plugin, requests)}."""
+    ctx = mp.get_context("spawn")
+    results, stop = ctx.Queue(), ctx.Event()
+    port = free_port()
+    procs = {("prefill", r): ctx.Process(target=_prefill_rank, args=(r, cp_size, port, prefill_requests, faults, results, stop), daemon=True)
+             for r in range(cp_size)}  # fmt: skip
+    for name, (plugin, reqs) in decodes.items():
+        procs[("decode", name)] = ctx.Process(target=_decode, args=(name, plugin, port, reqs, results, stop), daemon=True)
+    for p in procs.values():
+        p.start()
+    reports = {"ready": {}, "room": {}, "done": set()}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(reports["done"]) < len(procs):
+            try:
+                msg = results.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+            except queue.Empty:
+                dead = [k for k, p in procs.items() if p.exitcode not in (None, 0)]
+                assert not dead, f"{dead} exited"
+                assert time.monotonic() < deadline, f"not done within {timeout_s} s: {sorted(map(str, reports['done']))} done"
+                continue
+            kind, who = msg[0], msg[1]
+            if kind == "error":
+                raise AssertionError(f"{who} failed:\n{msg[2]}")
+            if kind == "ready":
+                reports["ready"][who] = msg[2]
+            elif kind == "room":
+                reports["room"][(who, msg[2])] = msg[3]
+            else:
+                reports["done"].add(who)
+    finally:
+        stop.set()
+        for p in procs.values():
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    return reports
+
+
+def _request(room, pages, dst, chunks=None, **extra):
+    return dict(room=room, pages=list(pages), dst=list(dst), aux=room % 16, chunks=chunks or [len(pages)], **extra)
+
+
+def _owned(pages, rank, cp_size):
+    return [k for k, p in enumerate(pages) if p % cp_size == rank]
+
+
+def _check_committed(reports, decode, req, cp_size, info, runs=None):
+    got = reports["room"][(decode, req["room"])]
+    assert got["status"] == "Success", f"room {req['room']}: {got}"
+    assert got["wrong"] == [] and got["stray"] == [], f"room {req['room']}: {got}"
+    for rank in range(cp_size):
+        sent = reports["room"][(rank, req["room"])]
+        assert sent["status"] == "Success", f"rank {rank}, room {req['room']}: {sent}"
+        owned = len(_owned(req["pages"], rank, cp_size))
+        page_bytes = owned * (sum(info["kv_item_lens"]) + sum(info["state_item_lens"][0]))
+        assert sent["stats"]["pages"][0] == page_bytes, f"rank {rank}, room {req['room']}: {sent['stats']} vs {owned} pages"
+        assert sent["stats"]["aux"][0] == info["aux_bytes"]
+        if runs is not None:  # batch entries: runs x (kv + index) x layers
+            assert sent["stats"]["pages"][1] == runs[rank] * 2 * LAYERS, f"rank {rank}: {sent['stats']}"
+
+
+def _check_failed(reports, decode, room, *needles):
+    got = reports["room"][(decode, room)]
+    assert got["status"] == "Failed", f"room {room} committed: {got}"
+    for needle in needles:
+        assert needle in (got["reason"] or ""), f"room {room}: {needle!r} not in {got['reason']!r}"
+
+
+def test_four_ranks_send_owned_pages_and_faults_fail_cleanly():
+    """N = 4, a decode with the plugin: pages land at their positions; a silent rank, a dropped
+    page (self-check) and a dropped page with the self-check bypassed (decode manifest check)
+    each fail their request with the reason; the request after each commits."""
+    n = 4
+    rng = np.random.default_rng(4)
+    dst = iter(range(1, DECODE_PAGES))
+    reqs = []
+
+    def add(pages, **kw):
+        reqs.append(_request(100 + len(reqs), pages, [next(dst) for _ in pages], **kw))
+        return reqs[-1]
+
+    mixed = add(rng.choice(np.arange(1, PREFILL_PAGES), 11, replace=False).tolist(), chunks=[4, 4, 3])
+    # compute-owner layout: each rank's pages at consecutive positions and local pages -> one run
+    grouped = add([p for r in range(n) for p in (8 + r, 12 + r, 16 + r)])
+    silent = add(rng.choice(np.arange(1, PREFILL_PAGES), 8, replace=False).tolist(), silent=[2])
+    after_silent = add(list(range(20, 29)), chunks=[5, 4])
+    dropped = add(list(range(30, 39)))
+    after_dropped = add(list(range(5, 12)))
+    bypassed = add(list(range(1, 9)), chunks=[4, 4])
+    last = add(rng.choice(np.arange(1, PREFILL_PAGES), 6, replace=False).tolist())
+    faults = {("drop", 1): {dropped["room"]}, ("drop", 3): {bypassed["room"]}, ("bypass", 3): {bypassed["room"]}}
+
+    reports = _run(n, {"plugin": (True, reqs)}, reqs, faults)
+    info = reports["ready"][0]
+    assert reports["ready"]["plugin"] == {"target_cp_ranks": [0, 1, 2, 3], "required": 4}
+    _check_committed(reports, "plugin", mixed, n, info)
+    _check_committed(reports, "plugin", grouped, n, info, runs=[1, 1, 1, 1])
+    _check_failed(reports, "plugin", silent["room"], "timed out after 6", "no transfer status from prefill rank(s) [2]")
+    _check_committed(reports, "plugin", after_silent, n, info)
+    lost = _owned(dropped["pages"], 1, n)[0]
+    _check_failed(reports, "plugin", dropped["room"], f"CP rank 1 of 4: owned KV pages not sent at positions [{lost}]")
+    assert reports["room"][(1, dropped["room"])]["status"] == "Failed"
+    _check_committed(reports, "plugin", after_dropped, n, info)
+    lost = _owned(bypassed["pages"], 3, n)[0]
+    _check_failed(reports, "plugin", bypassed["room"], f"KV pages: missing positions [{lost}]")
+    assert reports["room"][(3, bypassed["room"])]["status"] == "Success"  # the rank itself did not notice
+    _check_committed(reports, "plugin", last, n, info)
+
+
+def test_two_ranks_serve_a_plugin_decode_and_a_stock_decode():
+    """N = 2, one prefill group serving two decodes: one with the plugin, one stock SGLang 0.5.23.
+    The stock decode pulls from both CP ranks (the advertised sharding) and commits correct pages;
+    a dropped page fails its request with the rank's reason (the status message's reason frame),
+    a silent rank with SGLang's timeout; the next request commits."""
+    n = 2
+    p_dst, s_dst = iter(range(1, DECODE_PAGES)), iter(range(1, DECODE_PAGES))
+    p_reqs = [
+        _request(200, [7], [next(p_dst)]),  # one page: rank 0 owns none, sends an empty manifest
+        _request(201, list(range(10, 22)), [next(p_dst) for _ in range(12)], chunks=[6, 6]),
+    ]
+    s_reqs = [
+        _request(300, [3, 9, 4, 17, 30, 11, 2], [next(s_dst) for _ in range(7)], chunks=[3, 4]),
+        _request(301, list(range(24, 32)), [next(s_dst) for _ in range(8)], chunks=[8]),
+        _request(302, list(range(40, 46)), [next(s_dst) for _ in range(6)], silent=[1]),
+        _request(303, [5, 6, 7, 8, 9], [next(s_dst) for _ in range(5)]),
+    ]
+    faults = {("drop", 1): {301}}
+    reports = _run(n, {"plugin": (True, p_reqs), "stock": (False, s_reqs)}, p_reqs + s_reqs, faults)
+    info = reports["ready"][0]
+    for name in ("plugin", "stock"):
+        assert reports["ready"][name] == {"target_cp_ranks": [0, 1], "required": 2}
+    _check_committed(reports, "plugin", p_reqs[0], n, info)
+    _check_committed(reports, "plugin", p_reqs[1], n, info)
+    _check_committed(reports, "stock", s_reqs[0], n, info)
+    _check_failed(reports, "stock", 301, "CP rank 1 of 2: owned KV pages not sent at positions [1]")
+    _check_failed(reports, "stock", 302, "timed out")
+    _check_committed(reports, "stock", s_reqs[3], n, info)
+
+
+# ---- the bookkeeping and the hooks' pass-through, in process ---------------------------------------------
+def _ledger_with(queued, index=True):
+    """N = 2, pages [10..15] sent in chunks of 4 and 2; rank 0 queues `queued` (position -> local)."""
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import OwnedPageLedger
+
+    ledger = OwnedPageLedger(0, 2)
+    ledger.expect_kv(7, 0, [10, 11, 12, 13], total=6)
+    ledger.expect_kv(7, 4, [14, 15], total=6)
+    for position, local in queued:
+        ledger.queue_kv(7, [position], [local])
+    ledger.expect_index(7)
+    if index:
+        ledger.record_index(7, 6, [0, 2, 4], [10, 12, 14])
+    return ledger
+
+
+def test_rank_self_check_names_what_it_did_not_send():
+    manifest, problem = _ledger_with([(0, 5), (2, 6), (4, 7)]).finish(7)
+    assert problem is None
+    assert manifest == {"rank": 0, "cp_size": 2, "kv": {"total": 6, "positions": [0, 2, 4], "pages": [10, 12, 14]},
+                        "index": {"total": 6, "positions": [0, 2, 4], "pages": [10, 12, 14]}}  # fmt: skip
+    cases = {
+        "owned KV pages not sent at positions [4]": [(0, 5), (2, 6)],
+        "KV pages sent at positions it does not own [1]": [(0, 5), (1, 5), (2, 6), (4, 7)],
+        "KV pages sent twice at positions [2]": [(0, 5), (2, 6), (2, 6), (4, 7)],
+        "KV pages sent from the wrong local page at positions [4]": [(0, 5), (2, 6), (4, 8)],
+    }
+    for expected, queued in cases.items():
+        _, problem = _ledger_with(queued).finish(7)
+        assert problem is not None and expected in problem and "CP rank 0 of 2" in problem, (expected, problem)
+    _, problem = _ledger_with([(0, 5), (2, 6), (4, 7)], index=False).finish(7)
+    assert "its index-K pages were not sent" in problem
+    ledger = _ledger_with([(0, 5), (2, 6), (4, 7)])
+    ledger.expect_kv(7, 8, [16], total=6)  # a chunk past the request's pages
+    assert "its chunks [(0, 4), (4, 2), (8, 1)] do not cover the request's 6 pages" in ledger.finish(7)[1]
+    ledger = _ledger_with([(0, 5)])
+    ledger.drop(7)
+    assert "no record" in ledger.finish(7)[1]
+
+
+def _manifest(rank, positions, pages, total=4, cp=2, index=True):
+    kv = {"total": total, "positions": positions, "pages": pages}
+    return {"rank": rank, "cp_size": cp, "kv": kv, "index": dict(kv) if index else None}
+
+
+def test_decode_commit_rule_over_the_manifests():
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import decode_manifest, encode_manifest, verify_manifests
+
+    good = {0: _manifest(0, [0, 2], [10, 12]), 1: _manifest(1, [1, 3], [11, 13])}
+    assert verify_manifests(9, {r: decode_manifest(encode_manifest(m)) for r, m in good.items()}, [0, 1]) is None
+    cases = [
+        ({0: good[0], 1: _manifest(1, [1], [11])}, [0, 1], "KV pages: missing positions [3]"),
+        ({0: good[0], 1: _manifest(1, [1, 2, 3], [11, 13, 13])}, [0, 1], "duplicated positions [2 (ranks [0, 1])]"),
+        ({0: good[0], 1: _manifest(1, [1, 3], [11, 14])}, [0, 1], "positions from the wrong owner [3]"),
+        ({0: good[0]}, [0, 1], "prefill rank(s) [1] reported success without an owned-page manifest"),
+        ({0: good[0]}, [0], "no manifest from CP rank(s) [1] of 2"),
+        ({0: good[0], 1: "manifest is not JSON"}, [0, 1], "malformed manifest from prefill rank 1"),
+        ({0: good[0], 1: _manifest(1, [1, 3], [11, 13], index=False)}, [0, 1], "index-K pages reported by CP ranks [0] only"),
+        ({0: good[0], 1: _manifest(1, [1, 3], [11, 13], total=5)}, [0, 1], "kv page counts differ between ranks [4, 5]"),
+        ({0: good[0], 2: _manifest(1, [1, 3], [11, 13])}, [0, 2], "prefill rank 2 sent a manifest for CP rank 1"),
+    ]
+    for manifests, responders, needle in cases:
+        reason = verify_manifests(9, manifests, responders)
+        assert reason is not None and needle in reason, (needle, reason)
+    for frame in (b"nope", b"nsa-cp-owned-pages/1 {", b'nsa-cp-owned-pages/1 {"rank": 0, "cp_size": 2, "kv": {"total": 1, "positions": [0], "pages": []}}'):
+        with pytest.raises(ValueError):
+            decode_manifest(frame)
+
+
+def test_hooks_pass_through_when_shared_kv_is_off(monkeypatch):
+    """Without the flag the prefill hooks change nothing; a non-Mooncake prefill manager is refused."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as hooks
+
+    calls = []
+    original = lambda *a, **k: calls.append((a, k))  # noqa: E731
+    mgr = SimpleNamespace()
+    monkeypatch.setattr(hooks, "is_enabled", lambda: False)
+    hooks.init_owner_sharded_manager(original, mgr, "args", DisaggregationMode.PREFILL, "server_args")
+    assert vars(mgr) == {} and len(calls) == 1
+    payload = {"enable_kv_cache_sharding": False}
+    hooks.advertise_all_cp_ranks(original, mgr, "url", payload)
+    assert calls[-1][0][2] is payload
+    monkeypatch.setattr(hooks, "is_enabled", lambda: True)
+    hooks.init_owner_sharded_manager(original, mgr, "args", DisaggregationMode.DECODE, "server_args")
+    assert vars(mgr) == {} and len(calls) == 3
+    with pytest.raises(NotImplementedError, match="Mooncake transfer backend only"):
+        hooks.init_owner_sharded_manager(original, mgr, "args", DisaggregationMode.PREFILL, "server_args")
+
+
+def test_decode_hooks_commit_only_full_coverage():
+    """The decode-side hooks around SGLang's own `parse_kv_status_message` and
+    `apply_prefill_status`, fed status messages as the decode thread receives them."""
+    import inspect
+
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as hooks
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import encode_manifest
+
+    parse = inspect.unwrap(MooncakeKVManager.parse_kv_status_message)
+    apply = inspect.unwrap(MooncakeKVManager.apply_prefill_status)
+    mgr = object.__new__(MooncakeKVManager)  # only the decode-side state these two methods use
+    mgr.__dict__.update(
+        request_status={}, prefill_response_tracker={}, required_prefill_response_num_table={}, failure_records={},
+        failure_lock=threading.Lock(), enable_staging=False, _staging_handler=None, defer_decode_allocation=False,
+        deferred_bootstrap=None, _deferred_ack_targets={}, _deferred_ack_poisoned_rooms=set(), _staging_outstanding={},
+    )  # fmt: skip
+
+    def expect(room):
+        mgr.request_status[room] = KVPoll.WaitingForInput
+        mgr.prefill_response_tracker[room] = set()
+        mgr.required_prefill_response_num_table[room] = 2
+
+    def deliver(room, rank, manifest):
+        msg = [str(room).encode(), str(KVPoll.Success).encode(), str(rank).encode(), b""]
+        msg += [encode_manifest(manifest)] if manifest else []
+        parsed = hooks.read_manifest(parse, mgr, msg)
+        hooks.verify_before_success(apply, mgr, bootstrap_room=parsed[0], status=parsed[1], prefill_rank=parsed[2],
+                                    failure_reason=parsed[3])  # fmt: skip
+
+    good = {0: _manifest(0, [0, 2], [10, 12]), 1: _manifest(1, [1, 3], [11, 13])}
+    for room, sends in {1: good, 2: {0: good[0], 1: _manifest(1, [1], [11])}, 3: {0: None, 1: None},
+                        4: {0: good[0], 1: None}}.items():  # fmt: skip
+        expect(room)
+        for rank, manifest in sends.items():
+            deliver(room, rank, manifest)
+    assert mgr.request_status[1] == KVPoll.Success and 1 not in mgr.failure_records
+    assert mgr.request_status[2] == KVPoll.Failed and "KV pages: missing positions [3]" in mgr.failure_records[2]
+    assert mgr.request_status[3] == KVPoll.Success  # no manifests: a prefill without shared KV, SGLang's rule
+    assert mgr.request_status[4] == KVPoll.Failed and "[1] reported success without" in mgr.failure_records[4]
+    deliver(1, 1, _manifest(1, [1], [11]))  # a late repeat cannot undo a commit
+    assert mgr.request_status[1] == KVPoll.Success
+    assert not mgr.__dict__[hooks._MANIFESTS] and not mgr.__dict__[hooks._INBOX]

@@ -1,0 +1,128 @@
+"""CPU, ~70-100 s (five spawns of 1 or 2 gloo ranks): SGLang 0.5.23's own DSA model forward, with
+and without the plugin.
+
+A tiny random-weight DeepSeek-V3.2 checkpoint (config.json + safetensors in tmp_path; 2 layers, both
+DSA attention + dense MLP, kv_lora_rank 512 + rope 64, index_head_dim 128, index_topk 32, page 64)
+is loaded by SGLang's `DeepseekV32ForCausalLM.load_weights` and run through SGLang's own code:
+`DeepseekV2Model.forward`, `DeepseekV2AttentionMLA` / `forward_mla` (absorbed MLA), the DSA
+`Indexer` (`forward_cuda`: index-K store by SGLang's triton `SetKAndS` in the interpreter, torch fp8
+MQA logits, torch top-k), `DeepseekSparseAttnBackend` (`init_forward_metadata`, `forward_extend`,
+`forward_decode`), `DSATokenToKVPool`, SGLang's interleave CP strategy
+(`prepare_cp_forward`, `DSAInterleaveCPIndexerOverlap`, KV and index-key all-gathers over SGLang's
+GroupCoordinator on gloo), `EagerRunner._execute_extend_cp` and the `LogitsProcessor`. What stands in
+for CUDA-only kernels is listed in docs/sglang_cpu_forward.md (sparse-MLA attention: a
+gather-softmax reference; Hadamard: a matrix product; RoPE: SGLang's own native path).
+
+Three runs of the same batches (new requests; continuations whose cached prefix ends mid-page; a
+radix hit on a shared page plus a new request; then one decode step for all four requests):
+- CP off: 1 rank;
+- CP=2 replicated: SGLang's `--enable-prefill-cp --cp-strategy interleave --attn-cp-size 2`;
+- CP=2 shared KV: the same with the plugin loaded through its entry point and enabled: its
+  `SharedKVDSATokenToKVPool`, narrow tail gather and logits-processor hook. The decode step runs
+  on a non-CP pool assembled from the pages each rank owns (what the owned-page PD transfer
+  delivers to a decode instance).
+All three must give the same next-token logits (they are bit-identical here: dense MLPs are not
+TP-split, `moe_dense_tp_size=1`, so CP changes no rounding). CP off and CP=2 shared KV are run
+once more through GLM-5's `GlmMoeDsaForCausalLM`.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import sglang_model_harness as H  # noqa: E402
+from sglang_nsa_cp.comm import run_ranks  # noqa: E402
+
+# (run name, checkpoint, mode, ranks)
+RUNS = (
+    ("off", "v32", "off", 1),
+    ("replicated", "v32", "replicated", 2),
+    ("shared", "v32", "shared", 2),
+    ("glm5-off", "glm5", "off", 1),
+    ("glm5-shared", "glm5", "shared", 2),
+)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    paths = {
+        name: H.write_checkpoint(str(tmp_path_factory.mktemp(f"tiny_{name}")), cfg)
+        for name, cfg in (("v32", H.TINY_V32), ("glm5", H.TINY_GLM5))
+    }
+    return {
+        run: run_ranks(H.run_scenario, world, args=(paths[ckpt], mode), timeout_s=240)
+        for run, ckpt, mode, world in RUNS
+    }
+
+
+def _assert_same_logits(got, want, where):
+    names = [f"prefill batch {b}" for b in range(len(H.BATCHES))] + ["decode step"]
+    assert len(got) == len(want) == len(names)
+    for name, g, w in zip(names, got, want):
+        assert g.shape == w.shape, f"{where}, {name}: {tuple(g.shape)} vs {tuple(w.shape)}"
+        assert torch.isfinite(g).all(), f"{where}, {name}: non-finite logits"
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}, {name}: {m}")
+
+
+def test_cp_off_forward_runs_sglangs_dsa_model(runs):
+    (off,) = runs["off"]
+    assert off["pool"] == "DSATokenToKVPool"
+    assert [t["cp_active"] for t in off["trace"]] == [False] * 4
+    bs = [len(b) for b in H.BATCHES] + [len(H.DECODE)]
+    assert [tuple(x.shape) for x in off["logits"]] == [(n, H.TINY_V32["vocab_size"]) for n in bs]
+    # the cached-prefix batch and the decode step read history: their logits are not the
+    # first batch's (a smoke check that the KV pool is really read)
+    assert not torch.allclose(off["logits"][0], off["logits"][1][:2])
+
+
+def test_cp2_replicated_matches_cp_off(runs):
+    (off,) = runs["off"]
+    for rank, r in enumerate(runs["replicated"]):
+        assert r["pool"] == "DSATokenToKVPool"
+        assert [t["cp_active"] for t in r["trace"]] == [True, True, True, False], f"{rank=}: SGLang's CP path did not run"
+        # SGLang's tail gather hands every token's hidden state to the logits processor
+        assert [t.get("tail_rows") for t in r["trace"][:3]] == [sum(n for _, n in b) for b in H.BATCHES]
+        _assert_same_logits(r["logits"], off["logits"], f"CP=2 replicated, rank {rank} vs CP off")
+
+
+def test_cp2_shared_kv_matches_cp_off_and_replicated(runs):
+    (off,) = runs["off"]
+    for rank, (r, rep) in enumerate(zip(runs["shared"], runs["replicated"])):
+        assert r["pool"] == "SharedKVDSATokenToKVPool" and r["sharded_pool_seen"], f"{rank=}: {r['pool']}"
+        assert [t["cp_active"] for t in r["trace"]] == [True, True, True, False], f"{rank=}"
+        _assert_same_logits(r["logits"], off["logits"], f"CP=2 shared KV, rank {rank} vs CP off")
+        _assert_same_logits(r["logits"], rep["logits"], f"CP=2 shared KV vs replicated, rank {rank}")
+
+
+def test_shared_kv_run_took_the_plugins_paths(runs):
+    layers = H.TINY_V32["num_hidden_layers"]
+    for rank, (r, rep) in enumerate(zip(runs["shared"], runs["replicated"])):
+        # narrow tail gather: one row per request reaches the logits processor
+        assert [t.get("tail_rows") for t in r["trace"][:3]] == [len(b) for b in H.BATCHES], f"{rank=}"
+        # batches 1 and 2 have cached history: one latent and one index-page all-gather per layer each
+        assert r["gathered"]["materialize_latent"]["calls"] == 2 * layers, f"{rank=}: {r['gathered']}"
+        assert r["gathered"]["materialize_index"]["calls"] == 2 * layers, f"{rank=}: {r['gathered']}"
+        # each rank stores ceil(25 / 2) of the 25 logical pages (+1 trash page)
+        assert r["pool_bytes"] / rep["pool_bytes"] == pytest.approx((13 + 1) / 25), f"{rank=}"
+
+
+def test_glm5_shared_kv_matches_glm5_cp_off(runs):
+    """The same through `GlmMoeDsaForCausalLM` (GLM-5's class; same weights, so also the same
+    logits as DeepSeek-V3.2's class)."""
+    (off,) = runs["glm5-off"]
+    _assert_same_logits(off["logits"], runs["off"][0]["logits"], "GLM-5 CP off vs DeepSeek-V3.2 CP off")
+    for rank, r in enumerate(runs["glm5-shared"]):
+        assert r["pool"] == "SharedKVDSATokenToKVPool", f"{rank=}: {r['pool']}"
+        assert [t.get("tail_rows") for t in r["trace"][:3]] == [len(b) for b in H.BATCHES], f"{rank=}"
+        _assert_same_logits(r["logits"], off["logits"], f"GLM-5 CP=2 shared KV, rank {rank} vs CP off")
+
+
+def test_timings_are_reported(runs):
+    """Not a check: puts each run's phase timings (seconds) into the test log."""
+    for mode, ranks in runs.items():
+        print(mode, [{k: round(v, 2) for k, v in r["timings"].items()} for r in ranks])
