@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from unittest import mock
 
 import torch
+from paged_requests import PagedRequests
 
 PAGE = 64
 # SGLang's own CPU fallbacks: torch fp8 (paged) MQA logits, unfused torch top-k.
@@ -316,43 +317,15 @@ class Engine:
         runner.attn_backend = self.backend
         self.runner = runner
 
-    # ---- SGLang's request bookkeeping, reduced: a seeded shuffle of logical pages 1.. ----------
     def init_requests(self, seed: int):
-        import random
-
-        self.free = list(range(1, self.pool.size // PAGE))
-        random.Random(seed).shuffle(self.free)
-        self.pages, self.lens = {}, {}
-
-    def fork(self, idx, source, length):
-        """A radix-cache hit: request `idx` starts with `source`'s first `length` tokens."""
-        assert length % PAGE == 0
-        self.pages[idx] = list(self.pages[source][: length // PAGE])
-        self.lens[idx] = length
-        self.req_to_token[idx, :length] = self.req_to_token[source, :length]
-
-    def _alloc(self, batch):
-        prefix, seq, locs = [], [], []
-        for idx, n in batch:
-            start = self.lens.get(idx, 0)
-            pages = self.pages.setdefault(idx, [])
-            while len(pages) * PAGE < start + n:
-                pages.append(self.free.pop())
-            pos = torch.arange(start, start + n)
-            loc = torch.tensor(pages)[pos // PAGE] * PAGE + pos % PAGE
-            self.req_to_token[idx, start : start + n] = loc.to(torch.int32)
-            self.lens[idx] = start + n
-            prefix.append(start)
-            seq.append(start + n)
-            locs.append(loc)
-        return prefix, seq, torch.cat(locs).long()
+        self.requests = PagedRequests(self.req_to_token, self.pool.size // PAGE, PAGE, seed)
 
     def forward_batch(self, batch, token_ids, decode=False):
         """SGLang's ForwardBatch for `batch` = [(request index, new tokens)]; `token_ids[idx]` the
         request's whole token sequence."""
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
-        prefix, seq, loc = self._alloc(batch)
+        prefix, seq, loc = self.requests.extend(batch)
         extend = [s - p for s, p in zip(seq, prefix)]
         ids = torch.cat([token_ids[i][p:s] for (i, _), p, s in zip(batch, prefix, seq)])
         positions = torch.cat([torch.arange(p, s) for p, s in zip(prefix, seq)])
@@ -492,7 +465,7 @@ def run_scenario(rank, world, group, model_path, mode):
     logits, timings = [], {"build": time.monotonic() - t0}
     for b, batch in enumerate(BATCHES):
         if b == 2:
-            engine.fork(2, source=0, length=PAGE)
+            engine.requests.fork(2, source=0, length=PAGE)
         t = time.monotonic()
         logits.append(engine.run(engine.forward_batch(batch, toks)))
         timings[f"prefill{b}"] = time.monotonic() - t

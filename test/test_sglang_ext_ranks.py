@@ -28,7 +28,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import random  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 from unittest import mock  # noqa: E402
 
@@ -36,6 +35,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from paged_requests import PagedRequests  # noqa: E402
 from sglang_nsa_cp.comm import TrafficCounter, run_ranks  # noqa: E402
 from test_sglang_ext_pool import LAYERS, PAGE, _no_dcp, _pool_kwargs  # noqa: E402
 
@@ -43,41 +43,6 @@ from test_sglang_ext_pool import LAYERS, PAGE, _no_dcp, _pool_kwargs  # noqa: E4
 class _Layer:
     def __init__(self, layer_id):
         self.layer_id = layer_id
-
-
-class _Requests:
-    """SGLang's request bookkeeping, reduced: req_to_token rows and a paged allocator handing out
-    a seeded shuffle of logical pages 1.. (page 0 is SGLang's padding page). Same on every rank."""
-
-    def __init__(self, num_pages, max_ctx, seed):
-        self.free = list(range(1, num_pages))
-        random.Random(seed).shuffle(self.free)
-        self.req_to_token = torch.zeros((8, max_ctx), dtype=torch.int32)
-        self.pages = {}
-        self.lens = {}
-
-    def fork(self, idx, source, length):
-        assert length % PAGE == 0
-        self.pages[idx] = self.pages[source][: length // PAGE]
-        self.lens[idx] = length
-        self.req_to_token[idx, :length] = self.req_to_token[source, :length]
-
-    def extend(self, batch):
-        """batch: [(req index, new tokens)] -> (req_pool_indices, prefix_lens, seq_lens, out_cache_loc)."""
-        prefix, seq, locs = [], [], []
-        for idx, n in batch:
-            start = self.lens.get(idx, 0)
-            pages = self.pages.setdefault(idx, [])
-            while len(pages) * PAGE < start + n:
-                pages.append(self.free.pop())
-            pos = torch.arange(start, start + n)
-            loc = torch.tensor(pages)[pos // PAGE] * PAGE + pos % PAGE
-            self.req_to_token[idx, start : start + n] = loc.to(torch.int32)
-            self.lens[idx] = start + n
-            prefix.append(start)
-            seq.append(start + n)
-            locs.append(loc)
-        return torch.tensor([i for i, _ in batch]), prefix, torch.tensor(seq), torch.cat(locs)
 
 
 # Small on purpose: SGLang's index-K kernels run in the triton interpreter, ~7 ms per token.
@@ -213,13 +178,14 @@ def _run_scenario(rank, n, group, seed):
         ref = DSATokenToKVPool(**_pool_kwargs(size))
         pool = SharedKVDSATokenToKVPool(**_pool_kwargs(size), cp_rank=rank, cp_size=n, cp_group=group)
         pool.counter = TrafficCounter()
-        reqs = _Requests(pool.num_logical_pages, max_ctx=512, seed=seed)
+        reqs = PagedRequests(torch.zeros((8, 512), dtype=torch.int32), pool.num_logical_pages, PAGE, seed)
         backend = _dsa_backend(pool, reqs.req_to_token)
         local_requests = []
         for b, batch in enumerate(BATCHES):
             if b == 2:
                 reqs.fork(2, source=0, length=PAGE)
-            req_pool_indices, prefix, seq, loc = reqs.extend(batch)
+            prefix, seq, loc = reqs.extend(batch)
+            req_pool_indices, seq = torch.tensor([i for i, _ in batch]), torch.tensor(seq)
             meta = _init_forward_metadata(backend, req_pool_indices, prefix, seq, n)  # calls begin_shard_extend
             # This rank's requests: those with local queries under interleave (SGLang's bs_idx).
             extend = [s - p for s, p in zip(seq.tolist(), prefix)]
