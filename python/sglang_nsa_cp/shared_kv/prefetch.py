@@ -10,6 +10,9 @@ chunk's rows on the main stream.
 - A consumer whose layer was never launched launches it itself (never reads stale data).
 - A side-stream write into a scratch half first waits for the main stream to finish the layer
   that read it last.
+- The main stream may persist layer L's chunk rows into the shard while the side stream packs
+  layer L's history pages: only a prefix page ending mid-page is touched by both, and only in
+  rows that `consume` then overwrites with the chunk's values, so either order gives one result.
 - Small prefixes skip prefetch (materialize in place at consume time): decided from the layout,
   which every rank shares.
 - On CPU there are no streams: the same calls run synchronously.
