@@ -15,7 +15,7 @@ import torch
 
 from sglang_nsa_cp.comm import TrafficCounter, run_ranks
 from sglang_nsa_cp.layout import OwnerClassedAllocator, RequestPageTable
-from sglang_nsa_cp.reference import DSAModel, SlotKVCache, get_config, prefill_single
+from sglang_nsa_cp.reference import DSAModel, SlotKVCache, get_config
 from sglang_nsa_cp.reference.cp import ReplicatedCPKV, SharedCPKV, prefill_cp
 from sglang_nsa_cp.shared_kv import KVStore
 

@@ -66,13 +66,15 @@ class ReplicatedCPKV(_CPBatch):
         super().__init__(plan, batch, rank, group, counter)
         store.check_slots(batch.out_cache_loc)
         self.store = store
-        self.slots = batch.out_cache_loc.to(store.latent[0].device)
-        self.req_rows = batch.req_to_token().to(store.latent[0].device)
+        device = store.latent[0].device
+        self.slots = batch.out_cache_loc.to(device)
+        self.req_rows = batch.req_to_token().to(device)
+        self.all_slots = torch.arange(store.num_slots, device=device)  # the index read, once per batch
 
     def dense_view(self, layer_id, latent, index_key, index_scale) -> DenseKV:
         self.store.write(layer_id, self.slots, latent, index_key, index_scale)
         pages = self.store.index[layer_id]
-        key, scale = kernels.read_index_k(pages, torch.arange(self.store.num_slots, device=pages.device), self.store.page_size)
+        key, scale = kernels.read_index_k(pages, self.all_slots, self.store.page_size)
         return DenseKV(self.store.latent[layer_id], key, scale, self.req_rows)
 
 
@@ -97,6 +99,7 @@ class SharedCPKV(_CPBatch):
         if not self.layout.current_reuse:
             self.prefetcher = HistoryPrefetcher(store, self.layout, group, counter, enabled=prefetch, timings=timings)
             self.prefetcher.launch(0)
+            self.dense_rows = torch.arange(self.layout.num_dense_rows, device=device)  # once per batch
 
     def persist_local(self, layer_id, latent, index_key, index_scale) -> None:
         if self.batch.compute_owned:  # compute-owner pages: write what this rank computed, no exchange
@@ -109,8 +112,7 @@ class SharedCPKV(_CPBatch):
         if self.prefetcher is None:  # current reuse: the gathered chunk is the dense view
             return DenseKV(latent, index_key, index_scale, layout.req_rows)
         dense_latent, dense_index = self.prefetcher.consume(layer_id, latent, index_key, index_scale)
-        rows = torch.arange(layout.num_dense_rows, device=dense_latent.device)
-        key, scale = kernels.read_index_k(dense_index, rows, layout.page_size)
+        key, scale = kernels.read_index_k(dense_index, self.dense_rows, layout.page_size)
         return DenseKV(dense_latent, key, scale, layout.req_rows)
 
 
