@@ -34,7 +34,7 @@ from sglang_nsa_cp.layout import OwnerClassedAllocator, RequestPageTable
 from sglang_nsa_cp.oracle import rel_err
 from sglang_nsa_cp.reference import DSAModel, get_config
 from sglang_nsa_cp.reference.cp import ReplicatedCPKV, SharedCPKV, prefill_cp
-from sglang_nsa_cp.shared_kv import HistoryPrefetcher, KVStore, build_dense_layout
+from sglang_nsa_cp.shared_kv import HistoryPrefetcher, KVStore, build_dense_plan
 
 PATHS = ("one_gpu", "replicated", "shared", "shared_prefetch")
 MIB = 1 << 20
@@ -162,20 +162,28 @@ def _materialize_vs_allgather(history_tokens, args, rank, world, group, device, 
     store = KVStore(num_layers=1, num_pages=num_pages, page_size=page, cp_size=world, rank=rank, latent_dim=latent_dim, latent_dtype=dtype, device=device)
     table.schedule(["h"], [history_tokens], "interleave")
     _, batch = table.schedule(["h"], [1], "interleave")
-    layout = build_dense_layout(batch.page_table().to(device), batch.prefix_lens, batch.extend_lens, page, world, rank)
+    plan = build_dense_plan(
+        batch.page_table().to(device), batch.prefix_lens, batch.seq_lens,
+        page_size=page, cp_size=world, rank=rank, num_logical_pages=num_pages,
+    )  # fmt: skip
     counter = TrafficCounter()
-    pre = HistoryPrefetcher(store, layout, group, counter, enabled=False)
-    pre._fill(0, 0)
+    pre = HistoryPrefetcher(store, group, enabled=False, counter=counter)
+
+    def materialize():  # one layer's history, as the pool materializes it with prefetch off
+        pre.begin(plan)
+        pre.acquire(0)
+
+    materialize()
     gathered = sum(v["bytes"] for v in counter.as_dict().values())
-    latent_send = store.page_rows(0)[: layout.pages_per_rank].contiguous()
-    index_send = store.index[0][: layout.pages_per_rank].contiguous()
+    latent_send = store.page_rows(0)[: plan.pages_per_rank].contiguous()
+    index_send = store.index[0][: plan.pages_per_rank].contiguous()
 
     def raw():
-        all_gather_rows(latent_send, layout.pages_per_rank, group)
-        all_gather_rows(index_send, layout.pages_per_rank, group)
+        all_gather_rows(latent_send, plan.pages_per_rank, group)
+        all_gather_rows(index_send, plan.pages_per_rank, group)
 
     dist.barrier(group)
-    mat_ms = _time_ms(lambda: pre._fill(0, 0), device, args.bw_repeats)
+    mat_ms = _time_ms(materialize, device, args.bw_repeats)
     dist.barrier(group)
     raw_ms = _time_ms(raw, device, args.bw_repeats)
     return {

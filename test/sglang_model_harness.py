@@ -381,7 +381,8 @@ class Engine:
 BATCHES = [
     [(0, 70), (1, 9)],  # new requests (no history)
     [(0, 60), (1, 4)],  # continuations: prefixes ending mid-page, request 0 crossing into a third page
-    [(2, 3), (1, 2), (3, 1)],  # request 2 shares request 0's first page (radix hit); a new request
+    # request 2 shares request 0's first page (radix hit); a new request; request 0's third chunk
+    [(2, 3), (1, 2), (3, 1), (0, 40)],
 ]
 DECODE = [(0, 1), (1, 1), (2, 1), (3, 1)]
 MAX_TOKENS = 256
@@ -433,9 +434,34 @@ def _record_tail_rows(engine):
     eager_runner.cp_gather_after_forward = recorded
 
 
-def run_scenario(rank, world, group, model_path, mode):
+_COLLECTIVES = ("all_gather_into_tensor", "all_gather", "all_reduce", "broadcast", "reduce_scatter_tensor", "all_to_all_single", "barrier")
+
+
+def record_collectives() -> list:
+    """Wrap torch.distributed's collectives in this process: every call is appended, in issue
+    order, as (name, shape, dtype, ranks of the group). SGLang's GroupCoordinator (its CPU
+    branch) and our `comm` look them up per call."""
+    import torch.distributed as dist
+
+    log = []
+    for name in _COLLECTIVES:
+        inner = getattr(dist, name)
+
+        def recorded(*args, _name=name, _inner=inner, **kwargs):
+            tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            group = kwargs.get("group")
+            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else "world"
+            log.append((_name, tuple(tensor.shape) if tensor is not None else None, str(getattr(tensor, "dtype", "")), ranks))
+            return _inner(*args, **kwargs)
+
+        setattr(dist, name, recorded)
+    return log
+
+
+def run_scenario(rank, world, group, model_path, mode, prefetch=True):
     """mode: 'off' (1 rank, no CP), 'replicated' (SGLang's CP, every rank keeps all KV) or
-    'shared' (the plugin's pool and tail gather). Returns each batch's next-token logits."""
+    'shared' (the plugin's pool, with or without one-layer-ahead history prefetch, and its tail
+    gather). Returns each batch's next-token logits and every collective the rank issued."""
     import time
 
     from sglang.srt.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
@@ -447,13 +473,19 @@ def run_scenario(rank, world, group, model_path, mode):
     if mode == "shared":
         from sglang.srt.plugins import load_plugins
 
+        from sglang_nsa_cp.sglang_ext.environ import envs
         from sglang_nsa_cp.sglang_ext.server_args import ATTR
 
         load_plugins()  # the plugin's entry point, as every SGLang process does
         setattr(sa, ATTR, True)  # the decision its start-up validation writes (see docs)
+        os.environ[envs.SGLANG_NSA_CP_PREFETCH.name] = "1" if prefetch else "0"
     mc, model = build_model(sa)
     cp_group = get_parallel().attn_cp_group.device_group if mode == "shared" else None
     engine = Engine(sa, mc, model, pool_pages=24, cp_group=cp_group)
+    if mode == "shared":
+        # These histories are a few pages per rank: launch them ahead all the same.
+        engine.pool.prefetcher.min_pages_per_rank = 1
+    collectives = record_collectives()
     _record_tail_rows(engine)
     info = dict(pool=type(engine.pool).__name__, sharded_pool_seen=engine.backend._kv_shard_pool is engine.pool)
     if mode == "shared":
@@ -469,6 +501,9 @@ def run_scenario(rank, world, group, model_path, mode):
         t = time.monotonic()
         logits.append(engine.run(engine.forward_batch(batch, toks)))
         timings[f"prefill{b}"] = time.monotonic() - t
+        if mode == "shared":  # whether the batch had history and launched it one layer ahead
+            engine.trace[-1].update(history=engine.pool.plan.has_history, early=engine.pool.prefetcher.early)
+    info["collectives"] = list(collectives)  # the prefill batches' (the decode pool below is test set-up)
     if mode == "shared":  # decode on a non-CP instance: pages from their owners
         info["gathered"] = engine.pool.counter.as_dict()
         engine.pool.end_shard_extend()

@@ -82,6 +82,20 @@ def test_derive_pool_sizes_hook_scales_the_logical_capacity():
             assert derive_pool_sizes(original, target, config=None) is sizes
 
 
+def _configurator(context_len=1000):
+    dsa = SimpleNamespace(architectures=["GlmMoeDsaForCausalLM"], index_topk=2048, kv_lora_rank=512, qk_rope_head_dim=64)
+    model_config = SimpleNamespace(hf_config=dsa, context_len=context_len, kv_lora_rank=512, qk_rope_head_dim=64)
+    return SimpleNamespace(is_draft_worker=False, model_config=model_config, page_size=PAGE, kv_cache_dtype=torch.bfloat16)
+
+
+@contextmanager
+def _chunked_prefill(size):
+    from unittest import mock
+
+    with mock.patch("sglang.srt.runtime_context.get_schedule", lambda: SimpleNamespace(chunked_prefill_size=size)):
+        yield
+
+
 def test_build_dsa_kv_pool_hook_builds_the_shared_pool_for_this_cp_rank():
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
     from sglang.srt.runtime_context import get_parallel
@@ -90,20 +104,43 @@ def test_build_dsa_kv_pool_hook_builds_the_shared_pool_for_this_cp_rank():
     from sglang_nsa_cp.sglang_ext.mem_cache.kv_cache_configurator import build_dsa_kv_pool
     from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import SharedKVDSATokenToKVPool
 
-    dsa = SimpleNamespace(architectures=["GlmMoeDsaForCausalLM"], index_topk=2048)
-    configurator = SimpleNamespace(is_draft_worker=False, model_config=SimpleNamespace(hf_config=dsa))
+    configurator = _configurator(context_len=1000)
 
     def original(self, *, max_total_num_tokens, max_running_requests, dsa_pool_class):
         return dsa_pool_class(**_pool_kwargs(max_total_num_tokens))  # what SGLang's builder does
 
     cp_group = SimpleNamespace(device_group="the CP device group")
-    with _no_dcp(), envs.SGLANG_NSA_CP_SHARED_KV.override(True):
+    with _no_dcp(), envs.SGLANG_NSA_CP_SHARED_KV.override(True), _chunked_prefill(200):
         with get_parallel().override(attn_cp_rank=2, attn_cp_size=4, attn_cp_group=cp_group):
             pool = build_dsa_kv_pool(original, configurator, max_total_num_tokens=8 * PAGE, max_running_requests=4, dsa_pool_class=DSATokenToKVPool)
             assert isinstance(pool, SharedKVDSATokenToKVPool)
             assert (pool.cp_rank, pool.cp_size, pool.cp_group) == (2, 4, "the CP device group")
+            # scratch reserved at start-up: one 1000-token context (16 pages, 4 per rank) + a
+            # 200-token chunk (4 pages) + the trash page, in each of two halves
+            page_bytes = PAGE * (KV_DIM * 2 + 132)
+            assert pool.prefetcher.scratch_bytes() == 2 * (16 + 4 + 1) * page_bytes
             with pytest.raises(RuntimeError, match="instead of the shared-KV pool"):
                 build_dsa_kv_pool(
                     lambda self, **kw: DSATokenToKVPool(**_pool_kwargs(8 * PAGE)),
                     configurator, max_total_num_tokens=8 * PAGE, max_running_requests=4, dsa_pool_class=DSATokenToKVPool,
                 )  # fmt: skip
+
+
+def test_scratch_is_charged_against_the_kv_budget():
+    """SGLang subtracts `compute_page_shard_scratch_bytes` from the KV budget before sizing the
+    pool; the hook adds the shared pool's two dense views (bf16 latent + index pages)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from sglang_nsa_cp.sglang_ext.environ import envs
+    from sglang_nsa_cp.sglang_ext.mem_cache.kv_cache_configurator import scratch_bytes
+
+    original = lambda kvc, *, include_mtp=False: 4096  # noqa: E731  (SGLang's own, e.g. another sharded pool)
+    page_bytes = PAGE * (KV_DIM * 2 + 132)
+    with get_parallel().override(attn_cp_size=2), _chunked_prefill(8192):
+        with envs.SGLANG_NSA_CP_SHARED_KV.override(True):
+            # 128k context: 2048 history pages + a 128-page chunk + the trash page, two halves
+            assert scratch_bytes(original, _configurator(131072)) == 4096 + 2 * (2048 + 128 + 1) * page_bytes
+            draft = SimpleNamespace(**{**vars(_configurator()), "is_draft_worker": True})
+            assert scratch_bytes(original, draft) == 4096
+        with envs.SGLANG_NSA_CP_SHARED_KV.override(False):
+            assert scratch_bytes(original, _configurator(131072)) == 4096

@@ -3,15 +3,19 @@
 Pool and forward metadata (sglang_ext/mem_cache/). The oracle is SGLang's unmodified
 `DSATokenToKVPool` fed the same writes through the same calls (`set_index_k_scale_buffer`:
 SGLang's triton `SetKAndS`, run by the triton interpreter; `set_mla_kv_buffer`). On every CP rank
-(N = 4, and N = 2 as two subgroups of the same 4 processes), for three extend batches (new
-requests; continuations whose prefix ends mid-page; a radix hit sharing a page-aligned prefix):
+(N = 4 with one-layer-ahead prefetch, and N = 2 with prefetch off, as two subgroups of the same 4
+processes), for three fixed extend batches (new requests; continuations whose prefix ends
+mid-page; a radix hit sharing a page-aligned prefix) and then random mixes of new requests,
+continuations and radix hits:
 - SGLang's real `DeepseekSparseAttnBackend.init_forward_metadata` (with SGLang's interleave
   strategy selecting each rank's requests) starts the pool's batch and rewrites its page tables;
 - for every layer, what attention reads (`get_key_buffer` at the rewritten `page_table_1`), what
   the indexer reads (`get_index_k_scale_buffer` with `indexer_logical_page_table`, i.e. SGLang's
   `GetKAndS`; the raw pages at `real_page_table`) equal the oracle's bytes at the logical slots;
 - after each batch every page a rank owns equals the oracle's page, and each rank holds ~1/N of
-  the oracle's bytes.
+  the oracle's bytes;
+- every rank of a group issued the same history all-gathers in the same order, and a batch
+  without history issued none.
 Not run here: the GPU kernels that consume these views (FlashMLA, DeepGEMM MQA logits, top-k).
 
 Narrow tail gather (sglang_ext/layers/). SGLang's interleave strategy shards a batch's hidden
@@ -25,6 +29,7 @@ same rows as with it off (SGLang's full gather + pruning), from [bs, hidden] ins
 from __future__ import annotations
 
 import os
+import random
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -51,6 +56,28 @@ BATCHES = [
     [(0, 60), (1, 4)],  # continuations, prefixes ending mid-page, one crossing into a third page
     [(2, 3), (1, 2), (3, 1)],  # request 2 shares request 0's first page (radix hit); a new request
 ]
+FORKS = {2: (2, 0, PAGE)}  # before batch 2: request 2 starts with request 0's first page
+
+
+def _random_mix(seed, num_batches=3):
+    """Batches mixing new requests, continuations and radix hits (requests 4-7, which the fixed
+    batches do not use); (batches, forks) as BATCHES and FORKS. Small: the interpreter is slow."""
+    rng = random.Random(seed)
+    lens, batches, forks = {}, [], {}
+    for b in range(num_batches):
+        batch = [(r, rng.randint(1, 40)) for r in sorted(lens) if rng.random() < 0.7]
+        free = [r for r in range(4, 8) if r not in lens]
+        sources = [r for r, n in lens.items() if n >= PAGE]
+        if free and sources and rng.random() < 0.5:  # a radix hit on another request's first page
+            forks[b] = (free[0], rng.choice(sources), PAGE)
+            lens[free[0]] = PAGE
+            batch.append((free.pop(0), rng.randint(1, 30)))
+        if free:
+            batch.append((free[0], rng.randint(1, 90)))
+        for r, n in batch:
+            lens[r] = lens.get(r, 0) + n
+        batches.append(batch)
+    return batches, forks
 
 
 def _chunk(num_tokens, seed):
@@ -165,7 +192,7 @@ def _check_owned_pages(pool, ref, n, rank, where):
             assert torch.equal(index[q], full_index[page]), f"{where}: rank {rank} index page {page}, layer {layer}"
 
 
-def _run_scenario(rank, n, group, seed):
+def _run_scenario(rank, n, group, seed, prefetch):
     from sglang.srt.layers.cp import base as cp_base
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
     from sglang.srt.runtime_context import get_parallel
@@ -174,19 +201,30 @@ def _run_scenario(rank, n, group, seed):
 
     size = 24 * PAGE
     cp_base.init_cp_strategy(enable_prefill_cp=True, cp_size=n, cp_strategy="interleave")
+    from sglang_nsa_cp.sglang_ext.environ import envs
+
     with _no_dcp(), get_parallel().override(attn_cp_rank=rank, attn_cp_size=n, enable_cp_tp_group_sharing=False):
         ref = DSATokenToKVPool(**_pool_kwargs(size))
-        pool = SharedKVDSATokenToKVPool(**_pool_kwargs(size), cp_rank=rank, cp_size=n, cp_group=group)
+        with envs.SGLANG_NSA_CP_PREFETCH.override(prefetch):
+            pool = SharedKVDSATokenToKVPool(**_pool_kwargs(size), cp_rank=rank, cp_size=n, cp_group=group)
+        assert pool.prefetcher.enabled == prefetch
+        pool.prefetcher.min_pages_per_rank = 1  # these histories are a few pages: prefetch them all the same
         pool.counter = TrafficCounter()
         reqs = PagedRequests(torch.zeros((8, 512), dtype=torch.int32), pool.num_logical_pages, PAGE, seed)
         backend = _dsa_backend(pool, reqs.req_to_token)
-        local_requests = []
-        for b, batch in enumerate(BATCHES):
-            if b == 2:
-                reqs.fork(2, source=0, length=PAGE)
+        local_requests, history, gathers = [], [], []
+        mix, mix_forks = _random_mix(seed)
+        forks = {**FORKS, **{len(BATCHES) + b: f for b, f in mix_forks.items()}}
+        for b, batch in enumerate(BATCHES + mix):
+            if b in forks:
+                idx, source, length = forks[b]
+                reqs.fork(idx, source=source, length=length)
             prefix, seq, loc = reqs.extend(batch)
+            history.append(any(prefix))
+            before = len(pool.counter.events)
             req_pool_indices, seq = torch.tensor([i for i, _ in batch]), torch.tensor(seq)
             meta = _init_forward_metadata(backend, req_pool_indices, prefix, seq, n)  # calls begin_shard_extend
+            early = pool.prefetcher.early  # launched layer 0 ahead
             # This rank's requests: those with local queries under interleave (SGLang's bs_idx).
             extend = [s - p for s, p in zip(seq.tolist(), prefix)]
             bs_idx = cp_base.get_cp_strategy().shard_per_request(extend, torch.tensor(extend))[2]
@@ -203,13 +241,18 @@ def _run_scenario(rank, n, group, seed):
                     p.set_mla_kv_buffer(_Layer(layer), loc, k_nope, k_rope)
                 _check_latent_views(pool, ref, meta, table, layer, where)
             pool.end_shard_extend()
+            gathers.append((len(pool.counter.events) - before, early))
             _check_owned_pages(pool, ref, n, rank, f"N={n}, batch={b}")
         return dict(
             n=n,
+            prefetch=prefetch,
+            batches=BATCHES + mix,
             local_requests=local_requests,
+            history=history,
+            gathers=gathers,
+            events=pool.counter.events,
             pool_bytes=pool.get_kv_size_bytes(),
             ref_bytes=ref.get_kv_size_bytes(),
-            gathered=pool.counter.as_dict(),
         )
 
 
@@ -295,7 +338,8 @@ def _rank_main(rank, world, group, sizes):
     for n in sizes:
         groups = [dist.new_group(list(range(s, s + n))) for s in range(0, world, n)]  # collective, same order everywhere
         sub_rank, sub_group = rank % n, groups[rank // n]
-        for key, check in (("pool", lambda: _run_scenario(sub_rank, n, sub_group, seed=7 + n)), ("tail", lambda: _check_tail_gather(sub_rank, n, sub_group))):
+        pool_check = lambda: _run_scenario(sub_rank, n, sub_group, seed=7 + n, prefetch=n == 4)  # noqa: E731
+        for key, check in (("pool", pool_check), ("tail", lambda: _check_tail_gather(sub_rank, n, sub_group))):
             try:
                 out[key].append(check())
             except AssertionError as exc:  # reported by the test that owns the check
@@ -316,13 +360,26 @@ def test_sharded_pool_views_match_unmodified_dsa_pool_at_4_and_2_ranks(rank_resu
             pages = 24 + 1
             expected = (-(-pages // r["n"]) + 1) / pages
             assert r["pool_bytes"] / r["ref_bytes"] == pytest.approx(expected), f"{rank=}, {r}"
-            # Batches 1 and 2 have history: one latent and one index page all-gather per layer each.
-            assert r["gathered"]["materialize_latent"]["calls"] == 2 * LAYERS, f"{rank=}, {r}"
-            assert r["gathered"]["materialize_index"]["calls"] == 2 * LAYERS, f"{rank=}, {r}"
-    # SGLang's interleave gives some rank of N=4 no query of some request in the last batch, so
-    # the page table it rewrites is the bs_idx-filtered one.
-    last_batch = [r["local_requests"][-1] for out in rank_results for r in out["pool"] if r["n"] == 4]
+            # One latent and one index-page all-gather per layer for a batch with history, none without.
+            assert [g for g, _ in r["gathers"]] == [2 * LAYERS if h else 0 for h in r["history"]], f"{rank=}, {r}"
+            # with prefetch on, every batch with history launched its layers ahead; off, none did
+            assert [e for _, e in r["gathers"]] == [h and r["prefetch"] for h in r["history"]], f"{rank=}, {r}"
+            assert any(r["history"][len(BATCHES) :]) and not all(r["history"]), f"{rank=}: the random mix lacks a case"
+    # SGLang's interleave gives some rank of N=4 no query of some request in the last fixed batch,
+    # so the page table it rewrites is the bs_idx-filtered one.
+    last_batch = [r["local_requests"][len(BATCHES) - 1] for out in rank_results for r in out["pool"] if r["n"] == 4]
     assert min(last_batch) < len(BATCHES[-1]), last_batch
+    assert {r["prefetch"] for out in rank_results for r in out["pool"]} == {True, False}
+
+
+def test_every_rank_issues_the_same_history_collectives_in_the_same_order(rank_results):
+    for i, n in enumerate((4, 2)):
+        per_process = [out["pool"][i] for out in rank_results]  # process p is rank p % n of group p // n
+        for start in range(0, 4, n):
+            members = per_process[start : start + n]
+            assert all(m["batches"] == members[0]["batches"] for m in members), f"N={n}: different batches"
+            for m in members[1:]:
+                assert m["events"] == members[0]["events"], f"N={n}, ranks {start}..{start + n - 1}: collectives differ"
 
 
 def test_narrow_tail_gather_gives_the_logits_processor_todays_rows(rank_results):

@@ -1,5 +1,5 @@
-"""CPU, ~70-100 s (five spawns of 1 or 2 gloo ranks): SGLang 0.5.23's own DSA model forward, with
-and without the plugin.
+"""CPU, ~2-3 min (seven spawns of 1, 2 or 4 gloo ranks): SGLang 0.5.23's own DSA model forward,
+with and without the plugin.
 
 A tiny random-weight DeepSeek-V3.2 checkpoint (config.json + safetensors in tmp_path; 2 layers, both
 DSA attention + dense MLP, kv_lora_rank 512 + rope 64, index_head_dim 128, index_topk 32, page 64)
@@ -13,17 +13,22 @@ GroupCoordinator on gloo), `EagerRunner._execute_extend_cp` and the `LogitsProce
 for CUDA-only kernels is listed in docs/sglang_cpu_forward.md (sparse-MLA attention: a
 gather-softmax reference; Hadamard: a matrix product; RoPE: SGLang's own native path).
 
-Three runs of the same batches (new requests; continuations whose cached prefix ends mid-page; a
-radix hit on a shared page plus a new request; then one decode step for all four requests):
+The same batches every run (new requests; continuations whose cached prefix ends mid-page; a
+batch mixing a radix hit on a shared page, a continuation, a new request and the third chunk of
+request 0's prompt; then one decode step for all four requests):
 - CP off: 1 rank;
 - CP=2 replicated: SGLang's `--enable-prefill-cp --cp-strategy interleave --attn-cp-size 2`;
-- CP=2 shared KV: the same with the plugin loaded through its entry point and enabled: its
-  `SharedKVDSATokenToKVPool`, narrow tail gather and logits-processor hook. The decode step runs
-  on a non-CP pool assembled from the pages each rank owns (what the owned-page PD transfer
-  delivers to a decode instance).
-All three must give the same next-token logits (they are bit-identical here: dense MLPs are not
-TP-split, `moe_dense_tp_size=1`, so CP changes no rounding). CP off and CP=2 shared KV are run
-once more through GLM-5's `GlmMoeDsaForCausalLM`.
+- CP=4 replicated, the same at 4 ranks;
+- CP=2 shared KV, with and without one-layer-ahead history prefetch, and CP=4 shared KV with it:
+  the same with the plugin loaded through its entry point and enabled: its
+  `SharedKVDSATokenToKVPool` (the core's dense plan and `HistoryPrefetcher`), narrow tail gather
+  and logits-processor hook. The decode step runs on a non-CP pool assembled from the pages each
+  rank owns (what the owned-page PD transfer delivers to a decode instance).
+At CP=2 all must give the same next-token logits (they are bit-identical here: dense MLPs are not
+TP-split, `moe_dense_tp_size=1`); at CP=4 shared KV must equal replicated CP=4 bit for bit (both
+differ from CP off in bf16 rounding). Every rank of a run must issue the same collectives in the
+same order. CP off and CP=2 shared KV are run once more through GLM-5's
+`GlmMoeDsaForCausalLM`.
 """
 
 from __future__ import annotations
@@ -38,14 +43,19 @@ import torch  # noqa: E402
 import sglang_model_harness as H  # noqa: E402
 from sglang_nsa_cp.comm import run_ranks  # noqa: E402
 
-# (run name, checkpoint, mode, ranks)
+# (run name, checkpoint, mode, ranks, history prefetch)
 RUNS = (
-    ("off", "v32", "off", 1),
-    ("replicated", "v32", "replicated", 2),
-    ("shared", "v32", "shared", 2),
-    ("glm5-off", "glm5", "off", 1),
-    ("glm5-shared", "glm5", "shared", 2),
+    ("off", "v32", "off", 1, False),
+    ("replicated", "v32", "replicated", 2, False),
+    ("shared", "v32", "shared", 2, True),
+    ("shared-no-prefetch", "v32", "shared", 2, False),
+    ("replicated-cp4", "v32", "replicated", 4, False),
+    ("shared-cp4", "v32", "shared", 4, True),
+    ("glm5-off", "glm5", "off", 1, False),
+    ("glm5-shared", "glm5", "shared", 2, True),
 )
+
+SHARED_RUNS = [run for run, _, mode, _, _ in RUNS if mode == "shared"]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +65,8 @@ def runs(tmp_path_factory):
         for name, cfg in (("v32", H.TINY_V32), ("glm5", H.TINY_GLM5))
     }
     return {
-        run: run_ranks(H.run_scenario, world, args=(paths[ckpt], mode), timeout_s=240)
-        for run, ckpt, mode, world in RUNS
+        run: run_ranks(H.run_scenario, world, args=(paths[ckpt], mode, prefetch), timeout_s=300)
+        for run, ckpt, mode, world, prefetch in RUNS
     }
 
 
@@ -90,25 +100,58 @@ def test_cp2_replicated_matches_cp_off(runs):
         _assert_same_logits(r["logits"], off["logits"], f"CP=2 replicated, rank {rank} vs CP off")
 
 
-def test_cp2_shared_kv_matches_cp_off_and_replicated(runs):
+@pytest.mark.parametrize("run", ["shared", "shared-no-prefetch"])
+def test_cp2_shared_kv_matches_cp_off_and_replicated(runs, run):
     (off,) = runs["off"]
-    for rank, (r, rep) in enumerate(zip(runs["shared"], runs["replicated"])):
+    for rank, (r, rep) in enumerate(zip(runs[run], runs["replicated"])):
         assert r["pool"] == "SharedKVDSATokenToKVPool" and r["sharded_pool_seen"], f"{rank=}: {r['pool']}"
         assert [t["cp_active"] for t in r["trace"]] == [True, True, True, False], f"{rank=}"
-        _assert_same_logits(r["logits"], off["logits"], f"CP=2 shared KV, rank {rank} vs CP off")
-        _assert_same_logits(r["logits"], rep["logits"], f"CP=2 shared KV vs replicated, rank {rank}")
+        _assert_same_logits(r["logits"], off["logits"], f"CP=2 {run}, rank {rank} vs CP off")
+        _assert_same_logits(r["logits"], rep["logits"], f"CP=2 {run} vs replicated, rank {rank}")
 
 
-def test_shared_kv_run_took_the_plugins_paths(runs):
+def test_cp4_shared_kv_matches_replicated_cp4(runs):
+    """At CP=4 SGLang's own replicated CP already differs from CP off in the last prefill batch
+    and the decode step (bf16 rounding: see docs/sglang_cpu_forward.md); shared KV must reproduce
+    replicated CP=4 bit for bit."""
+    for rank, (r, rep) in enumerate(zip(runs["shared-cp4"], runs["replicated-cp4"])):
+        assert r["pool"] == "SharedKVDSATokenToKVPool", f"{rank=}: {r['pool']}"
+        _assert_same_logits(r["logits"], rep["logits"], f"CP=4 shared KV vs replicated, rank {rank}")
+        for b, got in enumerate(r["logits"]):
+            assert torch.equal(got, rep["logits"][b]), f"CP=4 shared KV vs replicated, rank {rank}, batch {b}: not bitwise"
+
+
+@pytest.mark.parametrize("run", SHARED_RUNS)
+def test_shared_kv_run_took_the_plugins_paths(runs, run):
     layers = H.TINY_V32["num_hidden_layers"]
-    for rank, (r, rep) in enumerate(zip(runs["shared"], runs["replicated"])):
+    prefetch = {name: p for name, _, _, _, p in RUNS}[run]
+    for rank, r in enumerate(runs[run]):
         # narrow tail gather: one row per request reaches the logits processor
         assert [t.get("tail_rows") for t in r["trace"][:3]] == [len(b) for b in H.BATCHES], f"{rank=}"
-        # batches 1 and 2 have cached history: one latent and one index-page all-gather per layer each
+        # batches 1 and 2 have cached history: one latent and one index-page all-gather per layer
+        # each, launched one layer ahead with prefetch on; batch 0 gathers nothing
+        assert [t["history"] for t in r["trace"][:3]] == [False, True, True], f"{rank=}"
+        assert [t["early"] for t in r["trace"][:3]] == [False, prefetch, prefetch], f"{rank=}"
         assert r["gathered"]["materialize_latent"]["calls"] == 2 * layers, f"{rank=}: {r['gathered']}"
         assert r["gathered"]["materialize_index"]["calls"] == 2 * layers, f"{rank=}: {r['gathered']}"
-        # each rank stores ceil(25 / 2) of the 25 logical pages (+1 trash page)
-        assert r["pool_bytes"] / rep["pool_bytes"] == pytest.approx((13 + 1) / 25), f"{rank=}"
+    if run in ("shared", "shared-no-prefetch"):
+        for rank, (r, rep) in enumerate(zip(runs[run], runs["replicated"])):
+            # each rank stores ceil(25 / 2) of the 25 logical pages (+1 trash page)
+            assert r["pool_bytes"] / rep["pool_bytes"] == pytest.approx((13 + 1) / 25), f"{rank=}"
+
+
+@pytest.mark.parametrize("run", ["replicated", "replicated-cp4", *SHARED_RUNS])
+def test_every_rank_issues_the_same_collectives_in_the_same_order(runs, run):
+    """All of them: SGLang's own (TP/CP groups) and the pool's history all-gathers."""
+    ranks = runs[run]
+    assert len(ranks[0]["collectives"]) > 0
+    for rank, r in enumerate(ranks[1:], start=1):
+        mismatch = next((i for i, (a, b) in enumerate(zip(r["collectives"], ranks[0]["collectives"])) if a != b), None)
+        assert len(r["collectives"]) == len(ranks[0]["collectives"]) and mismatch is None, (
+            f"{run}: rank {rank} differs from rank 0 at collective {mismatch}: "
+            f"{r['collectives'][mismatch] if mismatch is not None else len(r['collectives'])} vs "
+            f"{ranks[0]['collectives'][mismatch] if mismatch is not None else len(ranks[0]['collectives'])}"
+        )
 
 
 def test_glm5_shared_kv_matches_glm5_cp_off(runs):

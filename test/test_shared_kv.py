@@ -1,6 +1,7 @@
-"""The shared KV core: owner-classed allocation, the sharded store, direct write, materialize and
-current reuse. The oracle is the replicated store (today's SGLang pool) fed the same writes: every
-materialized view must equal it bit for bit at every logical slot of the batch."""
+"""The shared KV core: owner-classed allocation, the sharded store, direct write, the per-batch
+dense plan, materialize with and without prefetch, and current reuse. The oracle is the
+replicated store (today's SGLang pool) fed the same writes: every dense view must equal it bit for
+bit at every logical slot of the batch."""
 
 import random
 
@@ -10,13 +11,15 @@ import torch
 from sglang_nsa_cp import kernels
 from sglang_nsa_cp.comm import all_gather_rerange, run_ranks
 from sglang_nsa_cp.layout import OutOfPages, OwnerClassedAllocator, RequestPageTable, page_owner
+from sglang_nsa_cp.comm import TrafficCounter
 from sglang_nsa_cp.shared_kv import (
     HistoryPrefetcher,
     KVStore,
     KVStoreError,
-    build_dense_layout,
-    materialize_index,
-    materialize_latent,
+    PlanError,
+    add_current_index,
+    add_current_latent,
+    build_dense_plan,
 )
 from sglang_nsa_cp.shared_kv import debug
 
@@ -50,17 +53,26 @@ def _store_pair(rank, world, fp8, page_size, num_pages, latent_dim):
 
 def _check_all_layouts(rank, world, group, mode):
     return [
-        _check_materialize_matches_replicated(rank, world, group, mode, page_size, fp8, world * 7 + page_size + fp8)
-        for page_size, fp8 in ((16, False), (64, True), (16, True), (64, False))
+        _check_materialize_matches_replicated(rank, world, group, mode, page_size, fp8, prefetch, world * 7 + page_size + fp8)
+        for page_size, fp8, prefetch in ((16, False, True), (64, True, False), (16, True, True), (64, False, False))
     ]
 
 
-def _check_materialize_matches_replicated(rank, world, group, mode, page_size, fp8, seed):
+def _plan(batch, store, rank):
+    return build_dense_plan(
+        batch.page_table(), batch.prefix_lens, batch.seq_lens, page_size=store.page_size,
+        cp_size=store.cp_size, rank=rank, num_logical_pages=store.num_pages,
+    )  # fmt: skip
+
+
+def _check_materialize_matches_replicated(rank, world, group, mode, page_size, fp8, prefetch, seed):
     debug.ENABLED = True  # ownership and coverage checked on every call in this test
     latent_dim = 576 if fp8 else 48
     num_pages = 96 * world
     table = RequestPageTable(OwnerClassedAllocator(num_pages, world), page_size)
     shared, replicated = _store_pair(rank, world, fp8, page_size, num_pages, latent_dim)
+    counter = TrafficCounter()
+    prefetcher = HistoryPrefetcher(shared, group, enabled=prefetch, counter=counter)  # one per store, as the pool keeps it
     stats = []
     for c, chunk in enumerate(_chunks(seed)):
         if c == 2:  # request "f" hits the radix cache on a's first whole pages
@@ -68,14 +80,18 @@ def _check_materialize_matches_replicated(rank, world, group, mode, page_size, f
             chunk = chunk + [("f", 7)]
         keys = [k for k, _ in chunk]
         plan, batch = table.schedule(keys, [n for _, n in chunk], mode)
-        shared.check_slots(batch.out_cache_loc)
-        layout = build_dense_layout(batch.page_table(), batch.prefix_lens, batch.extend_lens, page_size, world, rank)
-        assert layout.current_reuse == (c == 0)
+        dense_plan = _plan(batch, shared, rank)
+        dense_plan.check_slots(batch.out_cache_loc)
+        assert dense_plan.has_history == (c > 0)
+        calls_before = sum(v["calls"] for v in counter.as_dict().values())
+        prefetcher.begin(dense_plan)
+        rows = dense_plan.translate(batch.out_cache_loc)
         mine = plan.token_indices(rank)
         for layer in range(LAYERS):
             latent, key, scale = _logical_kv(plan.num_tokens, latent_dim, torch.bfloat16, seed * 100 + c * 10 + layer)
             gathered = all_gather_rerange(latent[mine], plan, group)
             assert torch.equal(gathered, latent)
+            view = prefetcher.acquire(layer)
             if batch.compute_owned:  # compute-owner pages: each rank writes only what it computed
                 shared.write(layer, batch.out_cache_loc[mine], latent[mine], key[mine], scale[mine])
             else:  # pages mix ranks' tokens: owners write from the gathered chunk
@@ -84,21 +100,22 @@ def _check_materialize_matches_replicated(rank, world, group, mode, page_size, f
             replicated.write(layer, batch.out_cache_loc, latent, key, scale)
 
             current = kernels.quantize_mla_fp8(gathered) if fp8 else gathered
-            dense = materialize_latent(shared, layer, layout, current, group)
-            dense_index = materialize_index(shared, layer, layout, key, scale, group)
+            dense = add_current_latent(view.latent, rows, current)
+            dense_index = add_current_index(view.index, rows, key, scale, page_size)
 
             # Oracle: the replicated pool at every logical slot of every request.
             slots = batch.req_to_token()
             valid = slots >= 0
+            req_rows = dense_plan.translate(slots[valid])
             want = replicated.latent[layer][slots[valid]]
-            got = dense[layout.req_rows[valid]]
-            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (c, layer)
+            assert torch.equal(dense[req_rows].view(torch.uint8), want.view(torch.uint8)), (c, layer)
             want_key, want_scale = kernels.read_index_k(replicated.index[layer], slots[valid], page_size)
-            if layout.current_reuse:
-                got_key, got_scale = dense_index[0][layout.req_rows[valid]], dense_index[1][layout.req_rows[valid]]
-            else:
-                got_key, got_scale = kernels.read_index_k(dense_index, layout.req_rows[valid], page_size)
+            got_key, got_scale = kernels.read_index_k(dense_index, req_rows, page_size)
             assert torch.equal(got_key, want_key) and torch.equal(got_scale, want_scale), (c, layer)
+        prefetcher.end()
+        calls = sum(v["calls"] for v in counter.as_dict().values()) - calls_before
+        # current reuse: no collective without history; otherwise one latent + one index gather per layer
+        assert calls == (2 * LAYERS if dense_plan.has_history else 0), (c, calls)
         stats.append({"page_aligned": plan.page_aligned})
     used = {p for pages in table.pages.values() for p in pages}
     owned = sum(1 for p in used if page_owner(p, world) == rank)
@@ -199,7 +216,8 @@ def test_fp8_store_needs_the_flashmla_row_width():
 
 
 def _check_prefetch(rank, world, group):
-    """Prefetched views equal in-place materialize, whatever the launch order."""
+    """Prefetched views equal in-place materialize, whatever the launch order, over two batches
+    of different sizes through one prefetcher (its scratch grows and is reused)."""
     page_size, num_pages = 16, 64 * world
     table = RequestPageTable(OwnerClassedAllocator(num_pages, world), page_size)
     store = KVStore(num_layers=4, num_pages=num_pages, page_size=page_size, cp_size=world, rank=rank, latent_dim=24)
@@ -207,29 +225,40 @@ def _check_prefetch(rank, world, group):
     for layer in range(4):  # history written in an earlier batch
         latent, key, scale = _logical_kv(377, 24, torch.bfloat16, layer)
         store.write(layer, torch.cat([table.slots("a"), table.slots("b")]), latent, key, scale)
-    plan, batch = table.schedule(["a", "b"], [40, 9], "interleave")
-    layout = build_dense_layout(batch.page_table(), batch.prefix_lens, batch.extend_lens, page_size, world, rank)
-    latent, key, scale = _logical_kv(plan.num_tokens, 24, torch.bfloat16, 99)
-    rows = layout.req_rows[layout.req_rows >= 0]  # rows past a request's end hold no data
-
-    def view(dense_latent, dense_index):
-        return dense_latent[rows], *kernels.read_index_k(dense_index, rows, page_size)
-
-    want = [
-        view(materialize_latent(store, l, layout, latent, group), materialize_index(store, l, layout, key, scale, group))
-        for l in range(4)
-    ]
+    prefetchers = {"ahead": HistoryPrefetcher(store, group), "off": HistoryPrefetcher(store, group, enabled=False)}
+    orders = {"in order": [0, 1, 2, 3], "skipping": [0, 2, 3]}  # "skipping": layer 2 launched at its acquire
     outcomes = {}
-    for name, kwargs, launch_first in (("ahead", {}, True), ("never launched", {}, False), ("off", {"enabled": False}, True)):
-        pre = HistoryPrefetcher(store, layout, group, **kwargs)
-        if launch_first:
-            pre.launch(0)
-        for l in range(4):
-            got = view(*pre.consume(l, latent, key, scale))
-            assert all(torch.equal(g, w) for g, w in zip(got, want[l])), (name, l)
-        outcomes[name] = (pre.early, pre.scratch_bytes())
-    tiny = HistoryPrefetcher(store, layout, group, min_pages_per_rank=10**6)
-    outcomes["tiny prefix"] = (tiny.early, tiny.scratch_bytes())
+    for b, new in enumerate(([40, 9], [200, 130])):
+        _, batch = table.schedule(["a", "b"], new, "interleave")
+        plan = _plan(batch, store, rank)
+        latent, key, scale = _logical_kv(sum(new), 24, torch.bfloat16, 99 + b)
+        rows = plan.translate(batch.out_cache_loc)
+        req_slots = batch.req_to_token()
+        req_rows = plan.translate(req_slots[req_slots >= 0])
+
+        def views(prefetcher, order):
+            prefetcher.begin(plan)
+            out = {}
+            for layer in order:
+                view = prefetcher.acquire(layer)
+                dense = add_current_latent(view.latent, rows, latent)
+                dense_index = add_current_index(view.index, rows, key, scale, page_size)
+                out[layer] = (dense[req_rows].clone(), *kernels.read_index_k(dense_index, req_rows, page_size))
+            prefetcher.end()
+            return out
+
+        want = views(prefetchers["off"], orders["in order"])
+        for name, order in orders.items():
+            got = views(prefetchers["ahead"], order)
+            for layer in order:
+                assert all(torch.equal(g, w) for g, w in zip(got[layer], want[layer])), (b, name, layer)
+        outcomes[b] = {name: (p.early, p.scratch_bytes()) for name, p in prefetchers.items()}
+    tiny = HistoryPrefetcher(store, group, min_pages_per_rank=10**6)
+    tiny.begin(plan)
+    outcomes["tiny prefix"] = tiny.early
+    tiny.acquire(1)
+    with pytest.raises(RuntimeError, match="layer 0 acquired after layer 1"):
+        tiny.acquire(0)
     return outcomes
 
 
@@ -237,5 +266,46 @@ def test_prefetch_gives_the_in_place_views_and_decides_alike_on_every_rank():
     per_rank = run_ranks(_check_prefetch, 3, timeout_s=120)
     assert all(r == per_rank[0] for r in per_rank)  # the same decisions everywhere
     outcome = per_rank[0]
-    assert outcome["ahead"][0] and not outcome["off"][0] and not outcome["tiny prefix"][0]
-    assert outcome["ahead"][1] > 0
+    assert outcome[0]["ahead"][0] and not outcome[0]["off"][0] and not outcome["tiny prefix"]
+    # the second, larger batch grew the scratch
+    assert 0 < outcome[0]["ahead"][1] < outcome[1]["ahead"][1]
+
+
+def test_plan_places_each_page_once_with_history_owner_major():
+    """The module docstring's example: N = 2, page size 4, A = 9 cached + 6 new tokens on pages
+    6, 3, 9, 4; B new on page 8."""
+    page_table = torch.tensor([[6, 3, 9, 4], [8, -1, -1, -1]])
+    plans = [
+        build_dense_plan(page_table, [9, 0], [15, 3], page_size=4, cp_size=2, rank=r, num_logical_pages=12)
+        for r in range(2)
+    ]
+    for plan in plans:
+        assert plan.pages_per_rank == 2 and plan.num_current_pages == 2 and plan.num_dense_pages == 7
+        pos = plan.page_pos.tolist()
+        assert [pos[p] for p in (6, 3, 9, 4, 8)] == [0, 2, 3, 4, 5]
+        assert all(pos[p] == plan.trash_page == 6 for p in (0, 1, 2, 5, 7, 10, 11))
+        assert plan.translate(torch.tensor([9 * 4 + 1, 4 * 4 + 3])).tolist() == [3 * 4 + 1, 4 * 4 + 3]
+    assert plans[0].send_pages.tolist() == [3, -1] and plans[1].send_pages.tolist() == [1, 4]
+
+
+def test_plan_without_history_gathers_nothing():
+    plan = build_dense_plan(torch.tensor([[5, 2]]), [0], [70], page_size=64, cp_size=4, rank=1, num_logical_pages=8)
+    assert not plan.has_history and plan.num_gathered_pages == 0 and plan.send_pages.numel() == 0
+    assert plan.page_pos[5] == 0 and plan.page_pos[2] == 1 and plan.num_dense_pages == 3
+
+
+def test_plan_refuses_slots_and_pages_it_cannot_place():
+    plan = build_dense_plan(torch.tensor([[6, 3]]), [4], [8], page_size=4, cp_size=2, rank=0, num_logical_pages=12)
+    plan.check_slots(torch.tensor([3 * 4, 3 * 4 + 3]))
+    with pytest.raises(PlanError, match=r"\(1, 20\), \(2, 48\)\] are outside the pool of 48 slots or on pages"):
+        plan.check_slots(torch.tensor([13, 20, 48]))
+    with pytest.raises(PlanError, match="2 pages of the batch's page table are outside the pool of 12 pages"):
+        build_dense_plan(torch.tensor([[6, 12, 30]]), [4], [9], page_size=4, cp_size=2, rank=0, num_logical_pages=12)
+    with pytest.raises(ValueError, match="prefix <= seq"):
+        build_dense_plan(torch.tensor([[6]]), [5], [4], page_size=4, cp_size=2, rank=0, num_logical_pages=12)
+
+
+def test_plan_catches_a_chunk_page_that_is_also_cached():
+    """An allocator bug (a fresh page still holding a cached prefix) must not silently alias."""
+    with pytest.raises(AssertionError, match="also cached pages: 1"):
+        build_dense_plan(torch.tensor([[6, 3], [6, 6]]), [4, 4], [8, 8], page_size=4, cp_size=2, rank=0, num_logical_pages=12)

@@ -22,21 +22,28 @@ import torch.distributed as dist
 
 from sglang_nsa_cp.layout.split import SplitPlan
 
-# torch 2.13 renamed all_gather_into_tensor; the GPU nodes' torch may predate the new name.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+def _all_gather_single(*args, **kwargs):
+    # torch 2.13 renamed all_gather_into_tensor; the GPU nodes' torch may predate the new name.
+    # Looked up per call, so a test can wrap torch.distributed's functions to record collectives.
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
 _FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
 
 
 class TrafficCounter:
-    """Bytes gathered and calls issued, per collective kind."""
+    """Bytes gathered and calls issued, per collective kind; `events` keeps every call in order."""
 
     def __init__(self) -> None:
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
+        self.events: list[tuple[str, int]] = []  # (kind, bytes) in issue order
 
     def add(self, kind: str, nbytes: int) -> None:
         self.bytes[kind] += nbytes
         self.calls[kind] += 1
+        self.events.append((kind, nbytes))
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         return {k: {"bytes": self.bytes[k], "calls": self.calls[k]} for k in sorted(self.bytes)}

@@ -20,7 +20,7 @@ from sglang_nsa_cp import kernels
 from sglang_nsa_cp.comm import TrafficCounter, gather_full_hidden, gather_last_token_hidden, start_all_gather_rerange
 from sglang_nsa_cp.layout import ExtendBatch, SplitPlan
 from sglang_nsa_cp.reference.model import DenseKV, DSAModel
-from sglang_nsa_cp.shared_kv import DenseLayout, HistoryPrefetcher, KVStore, build_dense_layout
+from sglang_nsa_cp.shared_kv import HistoryPrefetcher, KVStore, add_current_index, add_current_latent, build_dense_plan
 
 
 @dataclass
@@ -79,41 +79,45 @@ class ReplicatedCPKV(_CPBatch):
 
 
 class SharedCPKV(_CPBatch):
-    """The shared KV cache: owned pages persisted, the dense view rebuilt per layer.
+    """The shared KV cache: owned pages persisted, the dense view rebuilt per layer by the same
+    plan and prefetcher the SGLang plugin's pool uses (`shared_kv.build_dense_plan`,
+    `shared_kv.HistoryPrefetcher`).
 
     With `prefetch`, each layer's history is materialized one layer ahead (on a side stream on
-    GPU); without it, in place when the layer needs it.
+    GPU); without it, when the layer needs it. A batch without history gathers nothing.
     """
 
     def __init__(self, store: KVStore, plan, batch, rank, group, counter=None, prefetch: bool = True, timings=None):
         super().__init__(plan, batch, rank, group, counter)
         device = store.latent[0].device
-        store.check_slots(batch.out_cache_loc)
         self.store = store
         self.slots = batch.out_cache_loc.to(device)
         self.local_slots = self.slots[plan.device_tensor("token_indices", device, rank)]
-        self.layout: DenseLayout = build_dense_layout(
-            batch.page_table().to(device), batch.prefix_lens, batch.extend_lens, store.page_size, store.cp_size, rank
-        )
-        self.prefetcher = None
-        if not self.layout.current_reuse:
-            self.prefetcher = HistoryPrefetcher(store, self.layout, group, counter, enabled=prefetch, timings=timings)
-            self.prefetcher.launch(0)
-            self.dense_rows = torch.arange(self.layout.num_dense_rows, device=device)  # once per batch
+        self.dense = build_dense_plan(
+            batch.page_table().to(device), batch.prefix_lens, batch.seq_lens,
+            page_size=store.page_size, cp_size=store.cp_size, rank=rank, num_logical_pages=store.num_pages,
+        )  # fmt: skip
+        self.dense.check_slots(self.slots)
+        self.prefetcher = HistoryPrefetcher(store, group, enabled=prefetch, counter=counter)
+        self.prefetcher.begin(self.dense, timings)
+        # Row maps, once per batch: the chunk's tokens and every (request, position) in the view.
+        self.current_rows = self.dense.translate(self.slots)
+        req_to_token = batch.req_to_token().to(device)
+        self.req_rows = torch.where(req_to_token >= 0, self.dense.translate(req_to_token.clamp(min=0)), -1)
+        self.dense_rows = torch.arange(self.dense.num_dense_rows, device=device)
 
     def persist_local(self, layer_id, latent, index_key, index_scale) -> None:
         if self.batch.compute_owned:  # compute-owner pages: write what this rank computed, no exchange
             self.store.write(layer_id, self.local_slots, latent, index_key, index_scale)
 
     def dense_view(self, layer_id, latent, index_key, index_scale) -> DenseKV:
+        view = self.prefetcher.acquire(layer_id)
         if not self.batch.compute_owned:  # owners persist their rows from the gathered chunk
             self.store.write(layer_id, self.slots, latent, index_key, index_scale)
-        layout = self.layout
-        if self.prefetcher is None:  # current reuse: the gathered chunk is the dense view
-            return DenseKV(latent, index_key, index_scale, layout.req_rows)
-        dense_latent, dense_index = self.prefetcher.consume(layer_id, latent, index_key, index_scale)
-        key, scale = kernels.read_index_k(dense_index, self.dense_rows, layout.page_size)
-        return DenseKV(dense_latent, key, scale, layout.req_rows)
+        dense_latent = add_current_latent(view.latent, self.current_rows, latent)
+        dense_index = add_current_index(view.index, self.current_rows, index_key, index_scale, self.store.page_size)
+        key, scale = kernels.read_index_k(dense_index, self.dense_rows, self.store.page_size)
+        return DenseKV(dense_latent, key, scale, self.req_rows)
 
 
 @torch.no_grad()

@@ -52,6 +52,9 @@ class NsaCpEnvs:
     # Turns shared-KV prefill CP on for `sglang.Engine(...)` users, whose keyword arguments cannot
     # carry a flag ServerArgs does not declare. Same as `--enable-nsa-prefill-cp-shared-kv`.
     SGLANG_NSA_CP_SHARED_KV = EnvBool("SGLANG_NSA_CP_SHARED_KV", False)
+    # One-layer-ahead history prefetch in the shared-KV pool. Off (0): each layer's history is
+    # all-gathered when the layer is first written, on the writing stream. For diagnosis only.
+    SGLANG_NSA_CP_PREFETCH = EnvBool("SGLANG_NSA_CP_PREFETCH", True)
 
 
 envs = NsaCpEnvs()

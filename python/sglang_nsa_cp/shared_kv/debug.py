@@ -18,13 +18,20 @@ class CoverageError(AssertionError):
     """A page or slot without exactly one owner, or history with no source."""
 
 
-def check_layout(layout, hist_pages: torch.Tensor, hist_dense_pages: torch.Tensor, cp_size: int) -> None:
-    """Every history page must be read from its owner's part of the gathered pages."""
-    owner_part = hist_dense_pages // max(layout.pages_per_rank, 1)
-    bad = (owner_part != hist_pages % cp_size).nonzero().flatten()
-    if bad.numel():
-        shown = [(int(hist_pages[i]), int(hist_dense_pages[i])) for i in bad[:8]]
-        raise CoverageError(f"history pages (page, dense page) read outside their owner's gathered pages: {shown}")
+def check_plan(plan, hist_pages: torch.Tensor, cur_pages: torch.Tensor) -> None:
+    """Every history page is read from its owner's part of the gathered pages; every page of the
+    chunk has a dense page of its own after them."""
+    if hist_pages.numel():
+        dense = plan.page_pos[hist_pages]
+        owner_part = dense // plan.pages_per_rank
+        bad = ((dense >= plan.num_gathered_pages) | (owner_part != hist_pages % plan.cp_size)).nonzero().flatten()
+        if bad.numel():
+            shown = [(int(hist_pages[i]), int(dense[i])) for i in bad[:8]]
+            raise CoverageError(f"history pages (page, dense page) read outside their owner's gathered pages: {shown}")
+    dense = plan.page_pos[cur_pages]
+    expected = plan.num_gathered_pages + torch.arange(cur_pages.numel(), device=dense.device)
+    if not torch.equal(dense, expected):
+        raise CoverageError(f"chunk pages map to dense pages {dense[:8].tolist()}, expected {expected[:8].tolist()}: a page was given twice")
 
 
 def check_write_coverage(store, slots: torch.Tensor, group: dist.ProcessGroup) -> None:

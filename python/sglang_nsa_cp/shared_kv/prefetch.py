@@ -1,20 +1,31 @@
-"""One-layer-ahead prefetch of history: materialize layer L+1's cached prefix while layer L runs.
+"""One-layer-ahead prefetch of history: materialize layer l+1's cached prefix while layer l runs.
 
 History pages of every layer exist before the batch starts, so their gather does not depend on
-the layer's input. While layer L computes, layer L+1's history (MLA latent and index K/scale) is
-packed, all-gathered and scattered into the other half of a double-buffered dense scratch on a
-side stream; layer L+1 waits on an event only when it consumes that buffer, then adds its own
-chunk's rows on the main stream.
+the layer's input. One `HistoryPrefetcher` lives as long as its store (the plugin's pool holds
+one; the reference CP path builds one per batch) and keeps a double-buffered dense scratch:
+layer l's view is half l % 2.
 
-- Index and MLA collectives go on one side stream, in one order, on every rank.
-- A consumer whose layer was never launched launches it itself (never reads stale data).
-- A side-stream write into a scratch half first waits for the main stream to finish the layer
-  that read it last.
-- The main stream may persist layer L's chunk rows into the shard while the side stream packs
-  layer L's history pages: only a prefix page ending mid-page is touched by both, and only in
-  rows that `consume` then overwrites with the chunk's values, so either order gives one result.
-- Small prefixes skip prefetch (materialize in place at consume time): decided from the layout,
-  which every rank shares.
+One batch with history, prefetch on (side: a CUDA side stream; main: whatever stream calls):
+
+    begin(plan)    side: pack + all-gather history of layer 0 -> half 0, record ready[0]
+    acquire(0)     side: layer 1 -> half 1 (after main's use of half 1 so far)
+                   main: wait ready[0]; chunk rows into half 0; attention of layer 0 reads half 0
+    acquire(1)     side: layer 2 -> half 0, after main's work so far (layer 0 is done with it)
+                   main: wait ready[1]; chunk rows into half 1; attention of layer 1 ...
+
+- Every rank calls `begin` and `acquire(l)` for every layer in the same order, so the
+  collectives (one all-gather of latent pages, one of index pages, per layer with history) are
+  issued in one order on every rank; the decisions (prefetch or not, how many pages) come from
+  the plan, which every rank shares.
+- The main stream never waits on the host: `acquire` makes the calling stream wait on an event.
+  Every call waits (layer l's writes may come from two streams), only the first launches.
+- A layer that was never launched is launched (synchronously) by its `acquire`; so is every
+  layer when prefetch is off (`enabled=False`, the diagnosis switch) or the history is smaller
+  than `min_pages_per_rank` pages per rank.
+- The main stream may persist layer l's chunk rows into the shard while the side stream packs
+  layer l's history: only a prefix page that ends mid-page is touched by both, and only in rows
+  that the chunk then overwrites in the dense view, so either order gives one result.
+- A batch without history gathers nothing: `acquire` hands out the scratch for the chunk's pages.
 - On CPU there are no streams: the same calls run synchronously.
 
 The original design's Phase 8 prefetch (`cp_shared_kv_prefetch`).
@@ -22,98 +33,161 @@ The original design's Phase 8 prefetch (`cp_shared_kv_prefetch`).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
 from sglang_nsa_cp.comm import TrafficCounter
-from sglang_nsa_cp.shared_kv.materialize import DenseLayout, add_current_index, add_current_latent, gather_history_pages
+from sglang_nsa_cp.shared_kv.materialize import gather_history_pages
+from sglang_nsa_cp.shared_kv.plan import DensePlan
 from sglang_nsa_cp.shared_kv.store import KVStore
 
 # Below this many history pages per rank, an early launch costs more than it hides.
 MIN_PAGES_PER_RANK = 2
 
 
-class HistoryPrefetcher:
-    """Double-buffered dense scratch for one batch, filled one layer ahead."""
+class LayerView(NamedTuple):
+    """One layer's dense view: rows of the plan's dense pages, in the store's formats."""
 
+    latent: torch.Tensor  # [num_dense_pages, page_size * latent row] (store dtype)
+    index: torch.Tensor | None  # [num_dense_pages, page_size * 132] uint8; None: the layer keeps no index keys
+
+
+class HistoryPrefetcher:
     def __init__(
         self,
         store: KVStore,
-        layout: DenseLayout,
         group: dist.ProcessGroup,
-        counter: TrafficCounter | None = None,
+        *,
         enabled: bool = True,
         min_pages_per_rank: int = MIN_PAGES_PER_RANK,
-        timings: list | None = None,
+        counter: TrafficCounter | None = None,
     ):
-        if layout.current_reuse:
-            raise ValueError("a batch without history has nothing to prefetch; use current reuse")
-        self.store, self.layout, self.group, self.counter = store, layout, group, counter
-        self.early = enabled and layout.pages_per_rank >= min_pages_per_rank
-        device = store.latent[0].device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" and self.early else None
-        latent_row = store.page_rows(0).shape[1]
-        index_row = store.index[0].shape[1]
-        self.latent = [store.latent[0].new_empty((layout.num_dense_pages, latent_row)) for _ in range(2)]
-        self.index = [store.index[0].new_empty((layout.num_dense_pages, index_row)) for _ in range(2)]
-        # (layer, start, end) CUDA events around each consumer's wait: the exposed materialize time
-        self.timings = timings if device.type == "cuda" else None
+        self.store, self.group = store, group
+        self.enabled, self.min_pages_per_rank = enabled, min_pages_per_rank
+        self.counter = counter  # bytes and calls of the history all-gathers, when set
+        self.device = store.latent[0].device
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._halves: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._capacity = 0  # dense pages per half
+        self.plan: DensePlan | None = None
+        self.early = False
+        self.timings: list | None = None
         self._ready: dict[int, torch.cuda.Event | None] = {}
-        self._released: list[torch.cuda.Event | None] = [None, None]
+        self._current: tuple[int, LayerView] | None = None  # the latest acquired layer and its view
+
+    # ---- scratch -------------------------------------------------------------------------------
+    @staticmethod
+    def scratch_bytes_for(store: KVStore, num_dense_pages: int) -> int:
+        """Bytes of the double-buffered scratch for a batch of `num_dense_pages` dense pages."""
+        latent = store.page_rows(0)
+        page_bytes = latent.shape[1] * latent.element_size()
+        if store.index:
+            page_bytes += store.index[0].shape[1]
+        return 2 * num_dense_pages * page_bytes
 
     def scratch_bytes(self) -> int:
-        """Memory the scratch holds for the batch (both halves)."""
-        return sum(t.numel() * t.element_size() for t in self.latent + self.index)
+        """Bytes the scratch holds now (both halves)."""
+        return sum(t.numel() * t.element_size() for half in self._halves for t in half)
 
-    def launch(self, layer: int) -> None:
-        """Start materializing `layer`'s history into its scratch half (no-op if already started)."""
+    def reserve(self, num_dense_pages: int) -> None:
+        """Grow both halves to hold `num_dense_pages` pages (they never shrink)."""
+        if num_dense_pages <= self._capacity:
+            return
+        if self.stream is not None:  # the old halves may still be side-stream targets
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self._halves = []  # free before allocating: two layers' scratch at most, never four
+        latent = self.store.page_rows(0)
+        index_row = self.store.index[0].shape[1] if self.store.index else 0
+        self._halves = [
+            (latent.new_empty((num_dense_pages, latent.shape[1])), latent.new_empty((num_dense_pages, index_row), dtype=torch.uint8))
+            for _ in range(2)
+        ]
+        self._capacity = num_dense_pages
+
+    # ---- one batch ------------------------------------------------------------------------------
+    def begin(self, plan: DensePlan, timings: list | None = None) -> None:
+        """Start a batch: size the scratch and launch layer 0's history. Same call on every rank.
+
+        `timings` (CUDA only): a list that receives (layer, start, end) events around each
+        layer's wait for its history, i.e. the exposed materialize time.
+        """
+        self.reserve(plan.num_dense_pages)
+        self.plan = plan
+        self._ready, self._current = {}, None
+        self.early = self.enabled and plan.pages_per_rank >= self.min_pages_per_rank
+        self.timings = timings if self.device.type == "cuda" else None
+        if self.early:
+            self._launch(0)
+
+    def end(self) -> None:
+        self.plan = None
+        self._ready, self._current = {}, None
+
+    def acquire(self, layer: int) -> LayerView:
+        """The dense view of `layer` with its history in place (the chunk's rows are the caller's
+        to add). Layers are acquired in increasing order (a layer may be skipped, never revisited
+        once a later one was acquired: the double buffer holds two). The first call per layer
+        launches layer + 1 when prefetching; every call makes the current stream wait for the
+        layer's history."""
+        if self.plan is None:
+            raise RuntimeError("HistoryPrefetcher.acquire outside a batch (begin was not called)")
+        latest = self._current[0] if self._current else -1
+        if layer < latest:
+            raise RuntimeError(f"layer {layer} acquired after layer {latest}: the double buffer no longer holds it")
+        first = layer != latest
+        if first:
+            if self.early:
+                self._launch(layer + 1)
+            start = self._event()
+            self._launch(layer)  # consume-time fallback: a layer nobody launched is launched here
+            self._current = (layer, self._view(layer))
+        view = self._current[1]
+        ready = self._ready[layer]
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
+        if first and self.timings is not None:
+            self.timings.append((layer, start, self._event()))
+        return view
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _event(self):
+        if self.timings is None:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _view(self, layer: int) -> LayerView:
+        latent, index = self._halves[layer % 2]
+        n = self.plan.num_dense_pages
+        return LayerView(latent[:n], index[:n] if self._has_index(layer) else None)
+
+    def _has_index(self, layer: int) -> bool:
+        return bool(self.store.index) and self.store.index[layer].shape[0] > 0
+
+    def _launch(self, layer: int) -> None:
+        """Start materializing `layer`'s history into its half (no-op if started or past the end)."""
         if layer in self._ready or layer >= self.store.num_layers:
             return
-        half = layer % 2
-        if self.stream is None:
-            self._fill(layer, half)
+        if not self.plan.has_history or not self.early or self.stream is None:
+            if self.plan.has_history:
+                self._fill(layer)  # on the calling stream, in program order
             self._ready[layer] = None
             return
         released = torch.cuda.Event()
-        released.record()  # the main stream's use of this half so far
+        released.record(torch.cuda.current_stream(self.device))  # the calling stream's use of this half so far
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(released)
-            self._fill(layer, half)
+            self._fill(layer)
             ready = torch.cuda.Event()
             ready.record(self.stream)
         self._ready[layer] = ready
 
-    def _fill(self, layer: int, half: int) -> None:
-        gather_history_pages(
-            self.store.page_rows(layer), self.layout, self.group, self.counter, "materialize_latent", self.latent[half]
-        )
-        gather_history_pages(
-            self.store.index[layer], self.layout, self.group, self.counter, "materialize_index", self.index[half]
-        )
-
-    def consume(
-        self, layer: int, current_latent: torch.Tensor, current_key: torch.Tensor, current_scale: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The dense view of `layer`: its history plus this chunk's rows (latent rows, index pages).
-
-        Launches the next layer first when prefetch is on, so it overlaps this layer's work; the
-        next layer's side-stream work waits for this layer's earlier main-stream work, and runs
-        alongside this layer's attention.
-        """
-        if self.early:
-            self.launch(layer + 1)
-        if self.timings is not None:  # from here to `end`: what this layer waits for its history
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-        self.launch(layer)  # consume-time fallback: a layer nobody launched is launched here
-        ready = self._ready.pop(layer)
-        if ready is not None:
-            torch.cuda.current_stream().wait_event(ready)
-        if self.timings is not None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.timings.append((layer, start, end))
-        half = layer % 2
-        latent = add_current_latent(self.latent[half], self.layout, current_latent)
-        index = add_current_index(self.index[half], self.layout, current_key, current_scale)
-        return latent, index
+    def _fill(self, layer: int) -> None:
+        latent, index = self._halves[layer % 2]
+        plan, group, counter = self.plan, self.group, self.counter
+        gather_history_pages(self.store.page_rows(layer), plan, group, latent, counter, "materialize_latent")
+        if self._has_index(layer):
+            gather_history_pages(self.store.index[layer], plan, group, index, counter, "materialize_index")

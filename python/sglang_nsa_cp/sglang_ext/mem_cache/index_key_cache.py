@@ -7,8 +7,8 @@ uses for logical-page-sharded pools (`_PageInterleaveIndexKeyCache` in
 
 - `write_targets(layer, loc)` -> [(buffer, token slots, rows or None)]: the indexer's own store
   kernels (fused RoPE + quantize + store, or `SetKAndS`) write every target. During an extend the
-  targets are the layer's dense pages (history materialized first) at the chunk's dense slots, and
-  the local shard at each token's local slot (other owners' tokens go to the trash page).
+  targets are the layer's dense pages (`pool.layer_view`: its history landed) at the chunk's dense
+  slots, and the local shard at each token's local slot (other owners' tokens go to the trash page).
 - `get_k_and_scale(layer, seq_lens, page_indices, ...)` takes logical page ids (the indexer's
   `indexer_logical_page_table`) and reads them from the dense pages.
 """
@@ -31,23 +31,21 @@ class SharedKVIndexKeyCache(IndexKeyCache):
         return self._kernel_view(self._written_dense(layer_id))
 
     def _written_dense(self, layer_id: int):
-        # Reads never materialize: the all-gather is a collective, and only writes are known to
-        # happen on every rank (a rank without local queries skips the indexer's reads).
-        dense = self.pool._dense_index.get(layer_id)
-        if dense is None:
+        # Reads never acquire a layer: acquiring launches the next layer's all-gather, a
+        # collective, and only writes are known to happen on every rank (a rank without local
+        # queries skips the indexer's reads).
+        view = self.pool._index_view
+        if view is None or view[0] != layer_id:
             raise RuntimeError(
                 f"layer {layer_id}'s index keys were read before they were written in this extend batch; "
-                "the shared-KV pool materializes them at the layer's first index write"
+                "the shared-KV pool builds the dense index pages at the layer's first index write"
             )
-        return dense
+        return view[1]
 
     def get_k_and_scale(self, layer_id, seq_len_tensor, page_indices, seq_len_sum, max_seq_len):
-        plan = self.pool._plan
-        if plan is None:
-            raise RuntimeError("logical index-K reads need an extend batch (begin_shard_extend not called)")
+        plan = self.pool.plan
         self._written_dense(layer_id)
-        dense_pages = plan.page_pos[page_indices.long()]
-        return super().get_k_and_scale(layer_id, seq_len_tensor, dense_pages, seq_len_sum, max_seq_len)
+        return super().get_k_and_scale(layer_id, seq_len_tensor, plan.dense_pages(page_indices), seq_len_sum, max_seq_len)
 
     def write_targets(self, layer_id: int, loc):
         if loc.numel() == 0:
@@ -58,9 +56,10 @@ class SharedKVIndexKeyCache(IndexKeyCache):
             raise RuntimeError(f"layer {layer_id} reuses the previous layer's top-k and stores no index keys")
         if pool._plan is None:
             return [(local, pool.local_rows(loc), None)]
-        pool._check_batch_slots(loc)
-        dense = self._kernel_view(pool.dense_index(layer_id))
-        return [(dense, pool._cached_loc("dense", loc), None), (local, pool._cached_loc("local", loc), None)]
+        pool.check_batch_slots(loc)
+        dense = pool.layer_view(layer_id).index  # the writing stream waits for the layer's history
+        pool._index_view = (layer_id, dense)
+        return [(self._kernel_view(dense), pool._cached_loc("dense", loc), None), (local, pool._cached_loc("local", loc), None)]
 
     def store_quantized(self, layer_id, loc, index_k, index_k_scale) -> None:
         for buf, slots, rows in self.write_targets(layer_id, loc):

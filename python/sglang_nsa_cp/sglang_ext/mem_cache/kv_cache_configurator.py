@@ -6,7 +6,11 @@ Targets (both pass-through unless shared KV is enabled, and never for a draft wo
   budget holds N x the tokens: the logical `max_total_num_tokens` (what the allocator hands out
   and the scheduler reports) is multiplied by attn_cp_size. The per-rank bytes do not change.
 - `KVCacheConfigurator._build_dsa_kv_pool` (AROUND): SGLang's DSA pool class becomes
-  `SharedKVDSATokenToKVPool` bound to this rank's CP group.
+  `SharedKVDSATokenToKVPool` bound to this rank's CP group, with its dense scratch reserved.
+- `page_interleave.compute_page_shard_scratch_bytes` (AROUND; SGLang's pool sizing subtracts it
+  from the KV budget before sizing the pool): adds the shared pool's double-buffered dense scratch
+  (two layers' dense views of one context of history plus one chunk), so the scratch is charged
+  like SGLang's own sharded pools charge theirs instead of coming out of activation memory.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import functools
 
 import msgspec
 
-from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import SharedKVDSATokenToKVPool
+from sglang_nsa_cp.kernels.reference import INDEX_ROW_BYTES
+from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import SharedKVDSATokenToKVPool, dense_scratch_pages
 from sglang_nsa_cp.sglang_ext.server_args import is_enabled
 
 
@@ -37,6 +42,26 @@ def derive_pool_sizes(original, self, *, config):
     return msgspec.structs.replace(sizes, max_total_num_tokens=sizes.max_total_num_tokens * get_parallel().attn_cp_size)
 
 
+def _scratch_pages(configurator) -> int:
+    from sglang.srt.runtime_context import get_parallel, get_schedule
+
+    context_len = configurator.model_config.context_len
+    chunk = get_schedule().chunked_prefill_size
+    chunk = chunk if chunk and chunk > 0 else context_len  # chunked prefill off: one whole prompt
+    return dense_scratch_pages(context_len, chunk, configurator.page_size, get_parallel().attn_cp_size)
+
+
+def scratch_bytes(original, kvc, *, include_mtp: bool = False):
+    """AROUND `compute_page_shard_scratch_bytes`: SGLang's fixed scratch plus the shared pool's."""
+    extra = original(kvc, include_mtp=include_mtp)
+    if not _applies(kvc):
+        return extra
+    model_config = kvc.model_config
+    row_bytes = (model_config.kv_lora_rank + model_config.qk_rope_head_dim) * kvc.kv_cache_dtype.itemsize
+    page_bytes = kvc.page_size * (row_bytes + INDEX_ROW_BYTES)
+    return extra + 2 * _scratch_pages(kvc) * page_bytes
+
+
 def build_dsa_kv_pool(original, self, *, max_total_num_tokens, max_running_requests, dsa_pool_class):
     """AROUND `_build_dsa_kv_pool`: build `SharedKVDSATokenToKVPool` for this CP rank."""
     if not _applies(self):
@@ -54,6 +79,7 @@ def build_dsa_kv_pool(original, self, *, max_total_num_tokens, max_running_reque
         cp_rank=parallel.attn_cp_rank,
         cp_size=parallel.attn_cp_size,
         cp_group=parallel.attn_cp_group.device_group,
+        scratch_pages=_scratch_pages(self),
     )
     pool = original(
         self,
@@ -70,6 +96,7 @@ def build_dsa_kv_pool(original, self, *, max_total_num_tokens, max_running_reque
 
 
 HOOKS = [
+    ("sglang.srt.mem_cache.page_interleave.compute_page_shard_scratch_bytes", scratch_bytes, "AROUND"),
     ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._derive_pool_sizes", derive_pool_sizes, "AROUND"),
     ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_dsa_kv_pool", build_dsa_kv_pool, "AROUND"),
 ]

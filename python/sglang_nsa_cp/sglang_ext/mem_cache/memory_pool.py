@@ -14,32 +14,34 @@ Every rank stores 3 + 1 pages of MLA latent rows and of index K/scale pages
 logical slots over all 12 pages. `size` is the logical capacity; `kv_buffer` and the index buffers
 are the rank's local shards (what `get_contiguous_buf_infos` / `get_state_buf_infos` report).
 
-One extend batch (every call below happens on every CP rank in the same order):
+One extend batch runs the core's code, the same the reference CP path, the oracle and the
+benchmark run (every call below happens on every CP rank in the same order):
 
-1. `begin_shard_extend` (called by `DeepseekSparseAttnBackend.init_forward_metadata`):
-   the dense plan: `shared_kv`'s dense view (owners' history pages as the all-gather lays them
-   out, then the chunk's own pages), a logical-page -> dense-page map, and the history layout
-   (`shared_kv.build_dense_layout`).
+1. `begin_shard_extend` (called by `DeepseekSparseAttnBackend.init_forward_metadata`): the
+   batch's `shared_kv.DensePlan` (where each page sits in the dense view, which history pages
+   this rank sends), then `HistoryPrefetcher.begin`, which launches layer 0's history all-gather
+   on a side stream.
 2. `translate_loc_to_scratch(page_table)`: SGLang rewrites the attention page table to dense rows.
-3. index-K writes (`index_key_cache.write_targets`, from the indexer): the layer's history index
-   pages are materialized (one all-gather of owned pages), then SGLang's own kernel writes the
-   chunk's keys into that dense buffer and into the local shard (owned tokens at their local
-   slot, the others in the trash page).
-4. `set_mla_kv_buffer` (from `forward_extend`, with the chunk's gathered latent): owned rows are
-   persisted (`KVStore.write`), the history latent is materialized, the chunk's rows are put on top.
-5. `get_key_buffer` / `get_index_k_scale_buffer`: the dense views of step 3 and 4.
+3. A layer's first write (the indexer's index-K store through `index_key_cache.write_targets`,
+   or attention's `set_mla_kv_buffer`) acquires the layer's view: the writing stream waits for
+   its history to land and layer l+1's history all-gather starts. SGLang's own kernel then writes
+   the chunk's index keys into the dense pages and, for owned tokens, into the local shard (the
+   others land in one trash page per rank, so owner filtering needs no host sync);
+   `set_mla_kv_buffer` persists the owned latent rows (`KVStore.write`) and puts the chunk's rows
+   on top of the history.
+4. `get_key_buffer` / `get_index_k_scale_buffer` / `get_index_k_with_scale_buffer`: the view.
 
 This is the contract of SGLang's own logical-page-sharded pools (`PageInterleaveKVPoolMixin`):
 `dsa_backend` and `dsa_indexer` already call steps 1-3 for any pool of that type, so the forward
-path needs no patch. Only the current layer's dense views are kept.
+path needs no patch. The scratch holds two layers' dense views (double buffer), reserved at
+start-up for one context of history plus one chunk and grown if a batch needs more.
+`SGLANG_NSA_CP_PREFETCH=0` materializes each layer when it is first written instead (diagnosis).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from contextlib import nullcontext
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -49,68 +51,17 @@ from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
 
 from sglang_nsa_cp import kernels
 from sglang_nsa_cp.comm import TrafficCounter
-from sglang_nsa_cp.shared_kv import DenseLayout, KVStore, build_dense_layout, debug
-from sglang_nsa_cp.shared_kv.materialize import gather_history_pages
+from sglang_nsa_cp.shared_kv import DensePlan, HistoryPrefetcher, KVStore, LayerView, build_dense_plan, debug
+from sglang_nsa_cp.sglang_ext.environ import envs
 
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class ExtendPlan:
-    """Per-batch dense plan, identical on every rank (built from mirrored scheduler data)."""
-
-    epoch: int
-    page_size: int
-    num_dense_pages: int
-    page_pos: torch.Tensor  # [num_logical_pages] int64: dense page of each page of the batch, 0 elsewhere
-    history: Optional[DenseLayout]  # history-only layout (current_rows empty); None: no cached prefix
-
-    def translate(self, loc: torch.Tensor) -> torch.Tensor:
-        """Logical slots -> rows of the dense view (same shape as `loc`, int64)."""
-        loc = loc.long()
-        return self.page_pos[loc // self.page_size] * self.page_size + loc % self.page_size
-
-
-def build_extend_plan(
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    prefix_lens: list[int],
-    seq_lens: list[int],
-    page_size: int,
-    num_logical_pages: int,
-    cp_size: int,
-    rank: int,
-    epoch: int,
-) -> ExtendPlan:
-    """The dense plan of one extend batch.
-
-    With history, the dense view is `shared_kv.build_dense_layout`'s: owners' history pages where
-    the all-gather puts them, then the pages holding only this chunk's tokens; a logical page
-    shared by several requests (a cached prefix) is one dense page. Without history, the batch's
-    pages request after request. Host work is on lengths only; the page table stays on the device.
-    """
-    device = req_to_token.device
-    pages_per_req = [-(-n // page_size) for n in seq_lens]
-    max_pages = max(pages_per_req)
-    rows = req_to_token.index_select(0, req_pool_indices.to(device).long())
-    page_table = rows[:, : max_pages * page_size : page_size].long() // page_size  # [bs, max_pages]
-    counts = torch.tensor(pages_per_req)
-    flat_req = torch.repeat_interleave(torch.arange(len(seq_lens)), counts).to(device)
-    flat_col = (torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[flat_req.cpu()]).to(device)
-    logical = page_table[flat_req, flat_col]
-    page_pos = torch.zeros(num_logical_pages, dtype=torch.long, device=device)
-
-    history = None
-    if any(prefix_lens):
-        extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
-        layout = build_dense_layout(page_table, list(prefix_lens), extend_lens, page_size, cp_size, rank)
-        page_pos[logical] = layout.dense_page_table[flat_req, flat_col]
-        history = dataclasses.replace(layout, current_rows=layout.current_rows[:0])
-        num_dense_pages = layout.num_dense_pages
-    else:
-        page_pos[logical] = torch.arange(logical.numel(), device=device)
-        num_dense_pages = logical.numel()
-    return ExtendPlan(epoch, page_size, num_dense_pages, page_pos, history)
+def dense_scratch_pages(context_len: int, chunk_tokens: int, page_size: int, cp_size: int) -> int:
+    """Dense pages of a batch holding one full context of history and one chunk: the scratch a
+    pool reserves at start-up (owners' history pages evenly spread, one trash page)."""
+    history_pages = -(-context_len // page_size)
+    return cp_size * -(-history_pages // cp_size) + -(-chunk_tokens // page_size) + 1
 
 
 class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
@@ -118,10 +69,13 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
 
     Takes `DSATokenToKVPool`'s arguments (`size` is the logical capacity in tokens) plus the CP
     group: `cp_rank`, `cp_size` and `cp_group` (a torch.distributed group: SGLang's
-    `attn_cp_group.device_group` in a server, gloo in CPU tests).
+    `attn_cp_group.device_group` in a server, gloo in CPU tests), and `scratch_pages`, the dense
+    pages to reserve for the double-buffered scratch at start-up (0: grow on first use).
     """
 
-    def __init__(self, size: int, *args, cp_rank: int, cp_size: int, cp_group: dist.ProcessGroup, **kwargs):
+    def __init__(
+        self, size: int, *args, cp_rank: int, cp_size: int, cp_group: dist.ProcessGroup, scratch_pages: int = 0, **kwargs
+    ):
         if cp_size < 1 or not 0 <= cp_rank < cp_size:
             raise ValueError(f"cp_rank={cp_rank} is not a rank of a CP group of size {cp_size}")
         unsupported = {
@@ -132,42 +86,58 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
         if unsupported:
             raise ValueError(f"SharedKVDSATokenToKVPool does not support {unsupported} yet")
         self.cp_rank, self.cp_size, self.cp_group = cp_rank, cp_size, cp_group
-        self.counter: TrafficCounter | None = None  # bytes of the materialize all-gathers, when set
-        self._plan: ExtendPlan | None = None
-        self._epoch = 0
-        self._dense_latent: dict[int, torch.Tensor] = {}
-        self._dense_index: dict[int, torch.Tensor] = {}
+        self._plan: DensePlan | None = None
+        self._latent_view: tuple[int, torch.Tensor] | None = None  # (layer id, dense rows) with the chunk written
+        self._index_view: tuple[int, torch.Tensor] | None = None  # (layer id, dense pages) handed to the writers
         self._loc_cache: dict[tuple, torch.Tensor] = {}
-        self._checked_epoch = -1
+        self._slots_checked = False
         super().__init__(size, *args, **kwargs)
+        self.prefetcher = HistoryPrefetcher(self.store, cp_group, enabled=envs.SGLANG_NSA_CP_PREFETCH.get())
+        if scratch_pages:
+            with self._alloc_context():
+                self.prefetcher.reserve(scratch_pages)
+        self._reserved_pages = scratch_pages
         logger.info(
-            "Shared-KV DSA pool: CP rank %d/%d stores %d of %d logical pages (+1 trash page) per layer",
+            "Shared-KV DSA pool: CP rank %d/%d stores %d of %d logical pages (+1 trash page) per layer; "
+            "dense scratch %.1f MiB for %d pages (two layers); prefetch %s",
             cp_rank, cp_size, self.store.local_pages - 1, self.num_logical_pages,
-        )
+            self.prefetcher.scratch_bytes() / 2**20, scratch_pages, "on" if self.prefetcher.enabled else "off",
+        )  # fmt: skip
+
+    @property
+    def counter(self) -> TrafficCounter | None:
+        """Bytes and calls of the history all-gathers, when set (tests, benchmarks)."""
+        return self.prefetcher.counter
+
+    @counter.setter
+    def counter(self, value: TrafficCounter | None) -> None:
+        self.prefetcher.counter = value
 
     # ---- storage: the rank's KVStore shard, seen through SGLang's buffer attributes -------------
     @property
     def num_logical_pages(self) -> int:
         return self.size // self.page_size + 1  # SGLang's pool rows are size + page_size
 
+    def _alloc_context(self):
+        return torch.cuda.use_mem_pool(self.custom_mem_pool) if self.custom_mem_pool else nullcontext()
+
     def _create_buffers(self):
         if self.dsa_kv_cache_store_fp8:
             raise ValueError("SharedKVDSATokenToKVPool stores the bf16 latent only; use --kv-cache-dtype bfloat16")
-        with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
-            with torch.cuda.use_mem_pool(self.custom_mem_pool) if self.custom_mem_pool else nullcontext():
-                # One slack local page past every owned one: the trash page non-owned index-K
-                # writes land in, so owner filtering needs no host sync.
-                self.store = KVStore(
-                    num_layers=self.layer_num,
-                    num_pages=self.num_logical_pages,
-                    page_size=self.page_size,
-                    cp_size=self.cp_size,
-                    rank=self.cp_rank,
-                    latent_dim=self.kv_cache_dim,
-                    latent_dtype=self.store_dtype,
-                    slack_pages=1,
-                    device=self.device,
-                )
+        with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE), self._alloc_context():
+            # One slack local page past every owned one: the trash page non-owned index-K
+            # writes land in, so owner filtering needs no host sync.
+            self.store = KVStore(
+                num_layers=self.layer_num,
+                num_pages=self.num_logical_pages,
+                page_size=self.page_size,
+                cp_size=self.cp_size,
+                rank=self.cp_rank,
+                latent_dim=self.kv_cache_dim,
+                latent_dtype=self.store_dtype,
+                slack_pages=1,
+                device=self.device,
+            )
         self.kv_buffer = [t.unsqueeze(1) for t in self.store.latent]
 
     def _create_index_key_cache(self):
@@ -188,35 +158,52 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
     def _shard_extend_active(self) -> bool:
         return self._plan is not None
 
+    @property
+    def plan(self) -> DensePlan:
+        if self._plan is None:
+            raise RuntimeError("the shared-KV pool's dense view exists only inside an extend batch (begin_shard_extend not called)")
+        return self._plan
+
     def begin_shard_extend(self, req_to_token, req_pool_indices, prefix_lens_cpu, seq_lens_cpu) -> None:
-        """Build the batch's dense plan. Called once per extend batch, on every rank."""
-        self._epoch += 1
-        self._dense_latent.clear()
-        self._dense_index.clear()
-        self._loc_cache.clear()
-        self._plan = build_extend_plan(
-            req_to_token,
-            req_pool_indices,
-            [int(n) for n in prefix_lens_cpu],
-            [int(n) for n in seq_lens_cpu],
-            self.page_size,
-            self.num_logical_pages,
-            self.cp_size,
-            self.cp_rank,
-            self._epoch,
-        )
+        """Build the batch's dense plan and launch layer 0's history. Once per extend batch, on every rank."""
+        prefix_lens, seq_lens = [int(n) for n in prefix_lens_cpu], [int(n) for n in seq_lens_cpu]
+        max_pages = max(-(-n // self.page_size) for n in seq_lens)
+        rows = req_to_token.index_select(0, req_pool_indices.to(req_to_token.device).long())
+        page_table = rows[:, : max_pages * self.page_size : self.page_size].long() // self.page_size
+        self._reset_batch()
+        self._plan = build_dense_plan(
+            page_table, prefix_lens, seq_lens, page_size=self.page_size, cp_size=self.cp_size,
+            rank=self.cp_rank, num_logical_pages=self.num_logical_pages,
+        )  # fmt: skip
+        if self._plan.num_dense_pages > max(self._reserved_pages, self.prefetcher._capacity):
+            logger.warning(
+                "Shared-KV DSA pool: a batch needs %d dense pages, more than the %d reserved at start-up; "
+                "the scratch grows to %.1f MiB outside the KV budget",
+                self._plan.num_dense_pages, self._reserved_pages,
+                HistoryPrefetcher.scratch_bytes_for(self.store, self._plan.num_dense_pages) / 2**20,
+            )  # fmt: skip
+        with self._alloc_context():
+            self.prefetcher.begin(self._plan)
 
     def end_shard_extend(self) -> None:
+        self._reset_batch()
+        self.prefetcher.end()
+
+    def _reset_batch(self) -> None:
         self._plan = None
-        self._dense_latent.clear()
-        self._dense_index.clear()
+        self._latent_view = self._index_view = None
         self._loc_cache.clear()
+        self._slots_checked = False
 
     def translate_loc_to_scratch(self, loc: torch.Tensor) -> torch.Tensor:
         """Logical slots -> rows of this batch's dense view."""
-        if self._plan is None:
-            raise RuntimeError("translate_loc_to_scratch outside an extend batch (begin_shard_extend not called)")
-        return self._plan.translate(loc)
+        return self.plan.translate(loc)
+
+    def layer_view(self, layer_id: int) -> LayerView:
+        """The layer's dense view with its history landed (the calling stream waits for it); the
+        first call per layer launches the next layer's history. Every rank calls it for every
+        layer in order: through the writes, which every rank makes."""
+        return self.prefetcher.acquire(layer_id - self.start_layer)
 
     def _cached_loc(self, kind: str, loc: torch.Tensor) -> torch.Tensor:
         """`translate` or `local_rows` of `loc`, once per batch: every layer passes the same
@@ -225,7 +212,7 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
         hit = self._loc_cache.get((kind, id(loc)))
         if hit is not None and hit[0] is loc:
             return hit[1]
-        out = self._plan.translate(loc) if kind == "dense" else self.local_rows(loc)
+        out = self.plan.translate(loc) if kind == "dense" else self.local_rows(loc)
         self._loc_cache[(kind, id(loc))] = (loc, out)
         return out
 
@@ -234,27 +221,20 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
         rows = kernels.owned_physical_rows(loc.long(), self.cp_rank, self.cp_size, self.page_size)
         return torch.where(rows >= 0, rows, self.trash_page * self.page_size + loc.long() % self.page_size)
 
-    def _check_batch_slots(self, loc: torch.Tensor) -> None:
-        """Once per batch: slots inside the logical pool; with SGLANG_NSA_CP_DEBUG=1, one owner each."""
-        if self._checked_epoch == self._epoch:
+    def check_batch_slots(self, loc: torch.Tensor) -> None:
+        """Once per batch (one host read): the written slots lie on the batch's planned pages;
+        with SGLANG_NSA_CP_DEBUG=1, each has exactly one owner across the group."""
+        if self._slots_checked:
             return
-        self._checked_epoch = self._epoch
-        self.store.check_slots(loc)
+        self._slots_checked = True
+        self.plan.check_slots(loc)
         if debug.ENABLED:
             debug.check_write_coverage(self.store, loc, self.cp_group)
 
-    def _history_pages(self, pages: torch.Tensor, kind: str) -> torch.Tensor:
-        """[num_dense_pages, page row] of one layer: owners' history pages gathered (a collective on
-        every rank) or, without history, an empty buffer the chunk's rows fill."""
-        plan = self._plan
-        if plan.history is None:
-            return pages.new_empty((plan.num_dense_pages, pages.shape[1]))
-        return gather_history_pages(pages, plan.history, self.cp_group, self.counter, kind)
-
     # ---- MLA latent ------------------------------------------------------------------------------
     def set_mla_kv_buffer(self, layer, loc_info, cache_k_nope, cache_k_rope, layer_id_override=None):
-        """Persist the owned rows of the chunk; during an extend, also materialize the layer's dense
-        latent (history of the owners + this chunk). `cache_k_*` hold the whole chunk (SGLang's CP
+        """Persist the owned rows of the chunk; during an extend, also put the chunk's rows into the
+        layer's dense latent on top of its history. `cache_k_*` hold the whole chunk (SGLang's CP
         strategy all-gathers it before the write), identical on every rank."""
         loc, _, _ = unwrap_write_loc(loc_info)
         layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
@@ -269,23 +249,19 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
         if self._plan is None:
             self.store.write(local_layer, loc, rows)
             return
-        self._check_batch_slots(loc)
+        self.check_batch_slots(loc)
+        view = self.layer_view(layer_id)  # history landed before the shard's mid-page rows change
         self.store.write(local_layer, loc, rows)
-        dense = self._history_pages(self.store.page_rows(local_layer), "materialize_latent")
-        dense = dense.view(-1, self.kv_cache_dim)
-        kernels.scatter_rows(dense, self._cached_loc("dense", loc), rows)
-        self._dense_latent.clear()  # keep only the current layer's view
-        self._dense_latent[layer_id] = dense.unsqueeze(1)
+        dense = kernels.scatter_rows(view.latent.view(-1, self.kv_cache_dim), self._cached_loc("dense", loc), rows)
+        self._latent_view = (layer_id, dense.unsqueeze(1))
 
     def dense_latent(self, layer_id: int) -> torch.Tensor:
-        dense = self._dense_latent.get(layer_id)
-        if dense is None:
+        if self._latent_view is None or self._latent_view[0] != layer_id:
             raise RuntimeError(
                 f"layer {layer_id}'s latent KV was read before it was written in this extend batch; the "
-                "shared-KV pool materializes the dense view in set_mla_kv_buffer (save_kv_cache=False "
-                "is not supported)"
+                "shared-KV pool builds the dense view in set_mla_kv_buffer (save_kv_cache=False is not supported)"
             )
-        return dense
+        return self._latent_view[1]
 
     def get_key_buffer(self, layer_id: int):
         if self._plan is None:
@@ -312,17 +288,6 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
     def get_index_k_with_scale_buffer(self, layer_id: int) -> torch.Tensor:
         # During an extend the paged readers get the dense pages; their page tables are dense too.
         return self.index_key_cache.get_buffer(layer_id)
-
-    def dense_index(self, layer_id: int) -> torch.Tensor:
-        """The layer's dense index pages [num_dense_pages, page_size * 132], materialized on the
-        layer's first index write of the batch (a collective: every rank writes every layer)."""
-        dense = self._dense_index.get(layer_id)
-        if dense is None:
-            pages = self.store.index[layer_id - self.start_layer]
-            dense = self._history_pages(pages, "materialize_index")
-            self._dense_index.clear()
-            self._dense_index[layer_id] = dense
-        return dense
 
     # ---- what a sharded pool cannot do (yet) -------------------------------------------------------
     def set_kv_buffer(self, *args, **kwargs):
