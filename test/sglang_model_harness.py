@@ -47,9 +47,9 @@ TINY_V32 = {
 }  # fmt: skip
 
 
-def random_checkpoint(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
-    """HF-format weights of the tiny model (names as in DeepSeek-V3.2's safetensors)."""
-    g = torch.Generator().manual_seed(seed)
+def random_checkpoint(cfg: dict, seed: int, device="cpu") -> dict[str, torch.Tensor]:
+    """HF-format weights of the model (names as in DeepSeek-V3.2's safetensors), made on `device`."""
+    g = torch.Generator(device).manual_seed(seed)
     h, heads, L = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
     qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
     kvl, rope, ql = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["q_lora_rank"]
@@ -57,10 +57,10 @@ def random_checkpoint(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
 
     def w(*shape, scale=None):
         scale = scale if scale is not None else shape[-1] ** -0.5
-        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(torch.bfloat16)
 
     def norm(n):
-        return (1 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)
+        return (1 + 0.1 * torch.randn(n, generator=g, device=device)).to(torch.bfloat16)
 
     sd = {"model.embed_tokens.weight": w(cfg["vocab_size"], h, scale=1.0), "model.norm.weight": norm(h),
           "lm_head.weight": w(cfg["vocab_size"], h)}  # fmt: skip
@@ -279,14 +279,15 @@ def build_model(sa, seed: int = 0):
 class Engine:
     """One rank's model, KV pool, DSA backend and request table: what SGLang's ModelRunner holds."""
 
-    def __init__(self, sa, mc, model, pool_pages: int, cp_group=None):
+    def __init__(self, sa, mc, model, pool_pages: int, cp_group=None, max_len: int = 1024):
         from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
         from sglang.srt.runtime_context import get_parallel
 
         cfg = mc.hf_config
         self.sa, self.mc, self.model = sa, mc, model
+        self.device = torch.device("cuda", torch.cuda.current_device()) if sa.device == "cuda" else torch.device("cpu")
         kw = dict(size=pool_pages * PAGE, page_size=PAGE, kv_lora_rank=cfg.kv_lora_rank, dtype=torch.bfloat16,
-                  qk_rope_head_dim=cfg.qk_rope_head_dim, layer_num=cfg.num_hidden_layers, device="cpu",
+                  qk_rope_head_dim=cfg.qk_rope_head_dim, layer_num=cfg.num_hidden_layers, device=self.device,
                   index_head_dim=cfg.index_head_dim, enable_memory_saver=False,
                   kv_cache_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim)  # fmt: skip
         par = get_parallel()
@@ -298,7 +299,7 @@ class Engine:
             self.pool = DSATokenToKVPool(**kw)
         self.pool_bytes = self.pool.get_kv_size_bytes()
         self.trace = []  # per forward: whether SGLang's CP path ran, rows handed to the logits
-        self.req_to_token = torch.zeros((8, 1024), dtype=torch.int32)
+        self.req_to_token = torch.zeros((8, max_len), dtype=torch.int32, device=self.device)
         self.req_to_token_pool = SimpleNamespace(req_to_token=self.req_to_token, size=8)
         self.rebind_pool(self.pool)
 
@@ -308,7 +309,7 @@ class Engine:
 
         self.pool = pool
         runner = SimpleNamespace(
-            device="cpu", page_size=PAGE, model_config=self.mc, token_to_kv_pool=pool,
+            device=self.device.type, page_size=PAGE, model_config=self.mc, token_to_kv_pool=pool,
             req_to_token_pool=self.req_to_token_pool, is_draft_worker=False, hisparse_coordinator=None,
             kv_cache_dtype=torch.bfloat16, server_args=self.sa, model=self.model,
         )  # fmt: skip
@@ -325,18 +326,19 @@ class Engine:
         request's whole token sequence."""
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
+        dev = self.device
         prefix, seq, loc = self.requests.extend(batch)
         extend = [s - p for s, p in zip(seq, prefix)]
-        ids = torch.cat([token_ids[i][p:s] for (i, _), p, s in zip(batch, prefix, seq)])
-        positions = torch.cat([torch.arange(p, s) for p, s in zip(prefix, seq)])
+        ids = torch.cat([token_ids[i][p:s] for (i, _), p, s in zip(batch, prefix, seq)]).to(dev)
+        positions = torch.cat([torch.arange(p, s) for p, s in zip(prefix, seq)]).to(dev)
         seq_t = torch.tensor(seq)
         fb = ForwardBatch(
             forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
             batch_size=len(batch),
             input_ids=ids,
-            req_pool_indices=torch.tensor([i for i, _ in batch]),
-            seq_lens=seq_t,
-            out_cache_loc=loc,
+            req_pool_indices=torch.tensor([i for i, _ in batch], device=dev),
+            seq_lens=seq_t.to(dev),
+            out_cache_loc=loc.to(dev),
             seq_lens_sum=int(seq_t.sum()),
             seq_lens_cpu=seq_t.clone(),
             positions=positions,
@@ -345,8 +347,8 @@ class Engine:
         )
         if not decode:
             fb.extend_num_tokens = int(sum(extend))
-            fb.extend_seq_lens = torch.tensor(extend)
-            fb.extend_prefix_lens = torch.tensor(prefix)
+            fb.extend_seq_lens = torch.tensor(extend, device=dev)
+            fb.extend_prefix_lens = torch.tensor(prefix, device=dev)
             fb.extend_start_loc = torch.cumsum(fb.extend_seq_lens, 0) - fb.extend_seq_lens
             fb.extend_seq_lens_cpu = list(extend)
             fb.extend_prefix_lens_cpu = list(prefix)
@@ -372,7 +374,7 @@ class Engine:
                 out = EagerRunner._execute_extend_cp(SimpleNamespace(model_runner=self.runner), fb, {})
             else:
                 out = self.model.forward(fb.input_ids, fb.positions, fb)
-        return out.next_token_logits.float()
+        return out.next_token_logits.float().cpu()
 
 
 # ---- one rank's scenario ---------------------------------------------------------------------------
@@ -402,7 +404,7 @@ def _replicated_pool_from_owners(engine):
     shared, n = engine.pool, engine.pool.cp_size
     full = DSATokenToKVPool(
         size=shared.size, page_size=PAGE, kv_lora_rank=shared.kv_lora_rank, dtype=torch.bfloat16,
-        qk_rope_head_dim=shared.qk_rope_head_dim, layer_num=shared.layer_num, device="cpu",
+        qk_rope_head_dim=shared.qk_rope_head_dim, layer_num=shared.layer_num, device=engine.device,
         index_head_dim=128, enable_memory_saver=False, kv_cache_dim=shared.kv_cache_dim,
     )  # fmt: skip
     local_pages = shared.store.local_pages - 1  # minus the trash page
@@ -411,11 +413,11 @@ def _replicated_pool_from_owners(engine):
         for src, dst in ((shared.store.latent[layer].view(shared.store.local_pages, -1), full.kv_buffer[layer].view(pages, -1)),
                          (shared.store.index[layer], full.index_k_with_scale_buffer[layer])):  # fmt: skip
             mine = src[:local_pages].contiguous()
-            gathered = torch.empty((n * local_pages, *mine.shape[1:]), dtype=mine.dtype)
+            gathered = mine.new_empty((n * local_pages, *mine.shape[1:]))
             dist.all_gather_into_tensor(gathered.view(torch.uint8), mine.view(torch.uint8), group=shared.cp_group)
             gathered = gathered.view(n, local_pages, -1)
-            for p in range(1, pages):  # page 0: SGLang's padding page
-                dst[p] = gathered[p % n, p // n]
+            logical = torch.arange(1, pages, device=gathered.device)  # page 0: SGLang's padding page
+            dst[1:pages] = gathered[logical % n, logical // n]
     return full
 
 

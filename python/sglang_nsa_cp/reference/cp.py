@@ -99,7 +99,8 @@ class SharedCPKV(_CPBatch):
         )  # fmt: skip
         self.dense.check_slots(self.slots)
         self.prefetcher = HistoryPrefetcher(store, group, enabled=prefetch, counter=counter)
-        self.prefetcher.begin(self.dense, timings)
+        self.prefetcher.timings = timings
+        self.prefetcher.begin(self.dense)
         # Row maps, once per batch: the chunk's tokens and every (request, position) in the view.
         self.current_rows = self.dense.translate(self.slots)
         req_to_token = batch.req_to_token().to(device)

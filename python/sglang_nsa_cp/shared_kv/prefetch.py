@@ -73,6 +73,8 @@ class HistoryPrefetcher:
         self._capacity = 0  # dense pages per half
         self.plan: DensePlan | None = None
         self.early = False
+        # CUDA only: when a list, receives (layer, start, end) events around each layer's first
+        # wait for its history, i.e. the exposed materialize time (benchmarks set it)
         self.timings: list | None = None
         self._ready: dict[int, torch.cuda.Event | None] = {}
         self._current: tuple[int, LayerView] | None = None  # the latest acquired layer and its view
@@ -107,17 +109,12 @@ class HistoryPrefetcher:
         self._capacity = num_dense_pages
 
     # ---- one batch ------------------------------------------------------------------------------
-    def begin(self, plan: DensePlan, timings: list | None = None) -> None:
-        """Start a batch: size the scratch and launch layer 0's history. Same call on every rank.
-
-        `timings` (CUDA only): a list that receives (layer, start, end) events around each
-        layer's wait for its history, i.e. the exposed materialize time.
-        """
+    def begin(self, plan: DensePlan) -> None:
+        """Start a batch: size the scratch and launch layer 0's history. Same call on every rank."""
         self.reserve(plan.num_dense_pages)
         self.plan = plan
         self._ready, self._current = {}, None
         self.early = self.enabled and plan.pages_per_rank >= self.min_pages_per_rank
-        self.timings = timings if self.device.type == "cuda" else None
         if self.early:
             self._launch(0)
 
@@ -147,13 +144,13 @@ class HistoryPrefetcher:
         ready = self._ready[layer]
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
-        if first and self.timings is not None:
+        if first and start is not None:
             self.timings.append((layer, start, self._event()))
         return view
 
     # ---- internals -------------------------------------------------------------------------------
     def _event(self):
-        if self.timings is None:
+        if self.timings is None or self.stream is None:
             return None
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.device))

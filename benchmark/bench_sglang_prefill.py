@@ -1,0 +1,308 @@
+"""SGLang 0.5.23's own DSA prefill on GPUs: replicated CP (today) against the plugin's shared KV,
+with and without one-layer-ahead history prefetch, side by side in one run.
+
+    source scripts/gpu_unpack.sh            # the bundle of docs/gpu_bundle.md (the GPU machine)
+    PYTHONPATH=$PYTHONPATH:test python benchmark/bench_sglang_prefill.py --cp 2 --out DIR [--plot]
+
+The model is SGLang's `GlmMoeDsaForCausalLM` with GLM-5's attention and dense-MLP dimensions,
+`--layers` layers and random weights (test/sglang_gpu_harness.py); attention is FlashMLA's sparse
+prefill kernel; the other stand-ins are in docs/sglang_gpu_forward_audit.md. Cases, as SGLang's
+scheduler runs them: cold prompts (`--cold`) prefilled in chunks of `--chunk` tokens (every chunk
+after the first has history), and prefix hits (`--hit PREFIX:NEW`: a request that shares a cached
+PREFIX with an earlier one, prefilled untimed, and adds NEW tokens). For every case and path it
+reports the time per chunk, per-layer times (CUDA events at each decoder layer), the exposed
+materialize time (what the stream waits for history, CUDA events in the pool's prefetcher), KV
+and scratch bytes per rank, and whether the last-token logits equal the replicated path's bit for
+bit. Then the materialize step alone against a raw all-gather of the same bytes. Raw numbers:
+DIR/bench_sglang_prefill.json; `--plot`: DIR/bench_sglang_prefill_timeline.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "test"))
+
+import sglang_gpu_harness as G  # noqa: E402
+
+from sglang_nsa_cp.comm import run_ranks  # noqa: E402
+
+PATHS = ("replicated", "shared", "shared_prefetch")
+MIB = 1 << 20
+
+
+class _LayerClock:
+    """CUDA events as each decoder layer starts and as the final norm starts."""
+
+    def __init__(self, model):
+        self.marks: list[torch.cuda.Event] = []
+        modules = list(model.model.layers) + [model.model.norm]
+        for m in modules:
+            m.register_forward_pre_hook(lambda *_: self.marks.append(self._event()))
+
+    @staticmethod
+    def _event():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def take(self) -> list[float]:
+        marks, self.marks = self.marks, []
+        return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+
+
+def _engine(sa, mc, model, path, cp_group, pool_pages, max_len):
+    import sglang_model_harness as H
+
+    from sglang_nsa_cp.sglang_ext.environ import envs
+    from sglang_nsa_cp.sglang_ext.server_args import ATTR
+
+    shared = path != "replicated"
+    setattr(sa, ATTR, shared)  # the plugin's runtime hooks (tail gather) read this decision
+    os.environ[envs.SGLANG_NSA_CP_PREFETCH.name] = "1" if path == "shared_prefetch" else "0"
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    engine = H.Engine(sa, mc, model, pool_pages=pool_pages, cp_group=cp_group if shared else None, max_len=max_len)
+    torch.cuda.synchronize()
+    engine.pool_alloc_bytes = torch.cuda.memory_allocated() - before
+    engine.init_requests(seed=3)
+    return engine
+
+
+def _chunks(case, chunk):
+    """[(request index, new tokens)] batches of one case; the timed ones are flagged."""
+    prefix, new = case["prefix"], case["new"]
+    batches = [([(0, min(chunk, prefix - s))], False) for s in range(0, prefix, chunk)]  # the cached prefix
+    batches += [([(1 if prefix else 0, min(chunk, new - s))], True) for s in range(0, new, chunk)]
+    return batches
+
+
+def _run_case(engine, clock, case, args, tokens):
+    times, layers, exposed, logits = [], [], [], []
+    prefetcher = getattr(engine.pool, "prefetcher", None)
+    for b, (batch, timed) in enumerate(_chunks(case, args.chunk)):
+        if case["prefix"] and batch[0][0] == 1 and not engine.requests.lens.get(1):
+            engine.requests.fork(1, source=0, length=case["prefix"])
+        if prefetcher is not None:
+            prefetcher.timings = [] if timed else None
+        fb = engine.forward_batch(batch, tokens)
+        torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        out = engine.run(fb)  # returns CPU logits: synchronises
+        elapsed = (time.perf_counter() - start) * 1e3
+        layer_ms = clock.take()
+        if not timed:
+            continue
+        times.append(elapsed)
+        layers.append(layer_ms)
+        exposed.append([a.elapsed_time(e) for _, a, e in prefetcher.timings] if prefetcher is not None else [0.0] * len(layer_ms))
+        logits.append(out)
+    return times, layers, exposed, logits
+
+
+def _pages_held(engine, case, world):
+    """Pages holding this case's tokens that this rank stores: from the run's own page table."""
+    pages = set()
+    for idx, n in engine.requests.lens.items():
+        pages.update(engine.requests.pages[idx][: -(-n // G.PAGE)])
+    shared = type(engine.pool).__name__ == "SharedKVDSATokenToKVPool"
+    rank = engine.pool.cp_rank if shared else 0
+    return sum(1 for p in pages if not shared or p % world == rank), len(pages)
+
+
+def rank_main(rank, world, group, args, model_path):
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import get_parallel
+
+    sa = G.setup_process(rank, world, model_path, world)
+    load_plugins()  # the plugin's entry point, as every SGLang process does
+    cp_group = get_parallel().attn_cp_group.device_group
+    mc, model = G.build_model(sa)
+    clock = _LayerClock(model)
+    cases = [{"name": f"cold {n // 1024}k", "prefix": 0, "new": n} for n in args.cold]
+    cases += [{"name": f"hit {p // 1024}k+{n // 1024}k", "prefix": p, "new": n} for p, n in args.hit]
+    g = torch.Generator().manual_seed(11)
+    max_len = max(c["prefix"] + c["new"] for c in cases) + G.PAGE
+    tokens = {i: torch.randint(2, mc.hf_config.vocab_size, (max_len,), generator=g) for i in range(2)}
+    pool_pages = 2 * -(-max_len // G.PAGE) + 8
+    results = []
+    for case in cases:
+        row = {"case": case}
+        for rep in range(args.repeats):
+            for path in PATHS if rep % 2 == 0 else reversed(PATHS):  # alternate the order: drift cancels
+                engine = _engine(sa, mc, model, path, cp_group, pool_pages, max_len)
+                times, layers, exposed, logits = _run_case(engine, clock, case, args, tokens)
+                held, used = _pages_held(engine, case, world)
+                r = row.setdefault(path, {"ms": [], "layer_ms": [], "exposed_ms": []})
+                r["ms"].append(times)
+                r["layer_ms"].append(layers)
+                r["exposed_ms"].append(exposed)
+                r.update(logits=logits, pages_held=held, pages_used=used, pool_alloc_bytes=engine.pool_alloc_bytes,
+                         scratch_bytes=engine.pool.prefetcher.scratch_bytes() if path != "replicated" else 0)  # fmt: skip
+                del engine
+                torch.cuda.empty_cache()
+        results.append(row)
+    bandwidth = _materialize_bandwidth(args, rank, world, group, cases)
+    import gpu_stand_ins
+
+    return {"results": results, "bandwidth": bandwidth, "stand_ins": gpu_stand_ins.report()} if rank == 0 else None
+
+
+def _materialize_bandwidth(args, rank, world, group, cases):
+    """The materialize step (the same core code the pool runs) next to a raw all-gather."""
+    import bench_prefill
+
+    ns = SimpleNamespace(page_size=G.PAGE, bw_repeats=args.bw_repeats)
+    device = torch.device("cuda", rank)
+    latent_dim = G.GLM5_ATTN["kv_lora_rank"] + G.GLM5_ATTN["qk_rope_head_dim"]
+    # the history each case's last chunk materializes per layer
+    sizes = [c["prefix"] for c in cases if c["prefix"]] + [c["new"] - args.chunk for c in cases if not c["prefix"] and c["new"] > args.chunk]
+    return [bench_prefill._materialize_vs_allgather(n, ns, rank, world, group, device, torch.bfloat16, latent_dim) for n in sizes]
+
+
+# ---- report --------------------------------------------------------------------------------------
+
+
+def _median_chunks(runs):
+    """Per chunk, the median over repeats; runs: [repeat][chunk] of ms."""
+    return [statistics.median(col) for col in zip(*runs)]
+
+
+def _summarize(out, args):
+    rows = []
+    for row in out["results"]:
+        base = row["replicated"]
+        for path in PATHS:
+            r = row[path]
+            chunk_ms = _median_chunks(r["ms"])
+            layer_ms = [statistics.median(v) for v in zip(*[l for rep in r["layer_ms"] for l in rep])]
+            exposed = [statistics.median(v) for v in zip(*[e for rep in r["exposed_ms"] for e in rep])]
+            identical = all(torch.equal(a, b) for a, b in zip(r["logits"], base["logits"]))
+            max_diff = max(float((a - b).abs().max()) for a, b in zip(r["logits"], base["logits"]))
+            rows.append({
+                "case": row["case"]["name"], "path": path, "chunks": len(chunk_ms),
+                "ms": sum(chunk_ms), "chunk_ms": chunk_ms,
+                "x_replicated": sum(chunk_ms) / sum(_median_chunks(base["ms"])),
+                "layer_ms": layer_ms, "exposed_ms_per_layer": exposed,
+                "exposed_share": sum(exposed) / max(sum(layer_ms), 1e-9),
+                "pages_held": r["pages_held"], "pages_used": r["pages_used"],
+                "held_share": r["pages_held"] / r["pages_used"],
+                "pool_alloc_bytes": r["pool_alloc_bytes"], "scratch_bytes": r["scratch_bytes"],
+                "logits_identical_to_replicated": identical, "max_logit_diff_vs_replicated": max_diff,
+            })  # fmt: skip
+    return rows
+
+
+def _table(rows):
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def report(out, args) -> dict:
+    summary = _summarize(out, args)
+    head = ["case", "path", "chunks", "ms", "x repl.", "ms/layer", "exposed ms/layer", "exposed %", "KV pages held", "scratch MiB", "logits = repl."]
+    table = [head] + [
+        [s["case"], s["path"], s["chunks"], f"{s['ms']:.1f}", f"{s['x_replicated']:.3f}",
+         f"{statistics.mean(s['layer_ms']):.2f}", f"{statistics.mean(s['exposed_ms_per_layer']):.3f}",
+         f"{100 * s['exposed_share']:.1f}", f"{s['pages_held']}/{s['pages_used']}", f"{s['scratch_bytes'] / MIB:.0f}",
+         "yes" if s["logits_identical_to_replicated"] else f"no ({s['max_logit_diff_vs_replicated']:.2e})"]
+        for s in summary
+    ]  # fmt: skip
+    print(_table(table))
+    print()
+    bw = [["history tokens", "gathered MiB", "materialize ms", "all-gather ms", "fraction of all-gather"]]
+    for b in out["bandwidth"]:
+        bw.append([b["history_tokens"], f"{b['gathered_bytes'] / MIB:.1f}", f"{b['materialize_ms']:.3f}", f"{b['allgather_ms']:.3f}", f"{b['fraction_of_allgather']:.2f}"])
+    print(_table(bw))
+    print()
+    print(out["stand_ins"])
+    return {"machine": _machine(), "args": vars(args), "config": G.GLM5_ATTN | {"num_hidden_layers": args.layers},
+            "paths": summary, "materialize_bandwidth": out["bandwidth"], "stand_ins": out["stand_ins"]}  # fmt: skip
+
+
+def _machine() -> dict:
+    import triton
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "torch": torch.__version__, "triton": triton.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "python": platform.python_version(),
+    }  # fmt: skip
+
+
+def _plot(raw, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hits = [p for p in raw["paths"] if p["case"].startswith("hit")] or raw["paths"]
+    name = hits[-1]["case"]
+    rows = [p for p in hits if p["case"] == name]
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    for i, p in enumerate(rows):
+        left = 0.0
+        for layer, ms in enumerate(p["layer_ms"]):
+            ax.barh(i, ms, left=left, color=f"C{layer % 10}", edgecolor="black")
+            ax.barh(i, p["exposed_ms_per_layer"][layer], left=left, height=0.25, color="red")
+            left += ms
+    ax.set_yticks(range(len(rows)), [p["path"] for p in rows])
+    ax.set_xlabel("ms (one segment per layer; red: the stream waiting for that layer's history)")
+    ax.set_title(f"SGLang DSA prefill, {name}, median layer times, {raw['machine']['gpus'][0]} x{len(raw['machine']['gpus'])}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def _ints(text):
+    return [int(x) for x in text.split(",") if x]
+
+
+def _pairs(text):
+    return [tuple(int(x) for x in item.split(":")) for item in text.split(",") if item]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cp", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--chunk", type=int, default=8192, help="--chunked-prefill-size")
+    p.add_argument("--cold", type=_ints, default=[32768, 65536, 131072])
+    p.add_argument("--hit", type=_pairs, default=[(61440, 4096), (126976, 4096)], help="PREFIX:NEW,... (PREFIX a multiple of 64)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--bw-repeats", type=int, default=20)
+    p.add_argument("--out", default="benchmark/results")
+    p.add_argument("--plot", action="store_true")
+    args = p.parse_args(argv)
+    if torch.cuda.device_count() < args.cp:
+        sys.exit(f"--cp {args.cp} needs {args.cp} GPUs; this machine has {torch.cuda.device_count()}")
+    if any(pref % G.PAGE for pref, _ in args.hit):
+        sys.exit(f"--hit prefixes must be multiples of the page size {G.PAGE}")
+    model_path = G.write_config(tempfile.mkdtemp(prefix="glm5_attn_"), G.GLM5_ATTN | {"num_hidden_layers": args.layers, "first_k_dense_replace": args.layers})
+    out = run_ranks(rank_main, args.cp, args=(args, model_path), backend="nccl", timeout_s=3000)[0]
+    raw = report(out, args)
+    print(json.dumps(raw["machine"]))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_sglang_prefill.json"), "w") as f:
+        json.dump(raw, f, indent=1)
+    if args.plot:
+        _plot(raw, os.path.join(args.out, "bench_sglang_prefill_timeline.png"))
+    return raw
+
+
+if __name__ == "__main__":
+    main()
