@@ -19,15 +19,17 @@ SGLANG=sglang==0.5.23
 SGL_KERNEL=sglang-kernel==0.4.10 # only its pure-Python package travels (see gpu_stand_ins.py)
 FLASH_MLA=sgl-flash-mla==1.0.0   # torch stable ABI: loads on torch 2.11
 # SGLang's import-time dependencies that the GPU machine lacks, found by importing SGLang's DSA
-# modules on a venv that holds only the GPU machine's packages (docs/gpu_bundle.md). Versions
+# modules and running its DSA forward on CPU (test/test_sglang_model_forward.py) on a venv that
+# holds only the GPU machine's packages (docs/gpu_bundle.md). Versions
 # are those SGLang 0.5.23 resolves to. typing-extensions shadows the machine's copy because
 # pydantic 2.14 needs >= 4.16; transformers because SGLang pins 5.19.0 (the machine has 5.17).
 DEPS=(
   annotated-types==0.8.0 apache-tvm-ffi==0.1.11 compressed-tensors==0.18.0 dill==0.4.1
-  distro==1.9.0 gguf==0.19.0 ipython==9.18.1 jiter==0.19.0 loguru==0.7.3 msgspec==0.23.0
-  openai==2.8.0 orjson==3.13.0 partial-json-parser==0.2.1.1.post7 pybase64==1.5.1
-  pydantic==2.14.4 pydantic-core==2.50.5 pyzmq==27.3.0 sniffio==1.3.1 starlette==1.10.0
-  traitlets==5.16.1 transformers==5.19.0 typing-extensions==4.16.0 typing-inspection==0.4.5
+  distro==1.9.0 fastapi==0.165.0 gguf==0.19.0 ipython==9.18.1 jiter==0.19.0 loguru==0.7.3
+  msgspec==0.23.0 openai==2.8.0 opentelemetry-api==1.45.2 orjson==3.13.0
+  partial-json-parser==0.2.1.1.post7 pybase64==1.5.1 pydantic==2.14.4 pydantic-core==2.50.5
+  pyzmq==27.3.0 sniffio==1.3.1 starlette==1.10.0 traitlets==5.16.1 transformers==5.19.0
+  typing-extensions==4.16.0 typing-inspection==0.4.5 uvicorn==0.54.0
 )
 # Parts of the sglang tree that no DSA forward, CP strategy, KV pool, model loader, ServerArgs
 # resolution or distributed init imports: diffusion, benchmarks, tests, and the Rust extensions
