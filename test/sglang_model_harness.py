@@ -134,7 +134,7 @@ def hadamard_reference(x, scale=1.0):
     """Stands in for the `sglang::hadamard_transform` custom op (CUDA only): x @ H_n * scale with
     the Sylvester-ordered Hadamard matrix over the last dim (the fast Walsh-Hadamard transform)."""
     n = x.shape[-1]
-    h = torch.ones(1, 1)
+    h = torch.ones(1, 1, device=x.device)  # on x's device: the GPU harness uses this too
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return (x.float() @ h * scale).to(x.dtype)
