@@ -63,7 +63,7 @@ class _LayerClock:
         return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
 
 
-def _engine(sa, mc, model, path, cp_group, pool_pages, max_len):
+def _engine(sa, mc, model, path, cp_group, pool_pages, max_len, chunk):
     import sglang_model_harness as H
 
     from sglang_nsa_cp.sglang_ext.environ import envs
@@ -74,7 +74,9 @@ def _engine(sa, mc, model, path, cp_group, pool_pages, max_len):
     os.environ[envs.SGLANG_NSA_CP_PREFETCH.name] = "1" if path == "shared_prefetch" else "0"
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    engine = H.Engine(sa, mc, model, pool_pages=pool_pages, cp_group=cp_group if shared else None, max_len=max_len)
+    world = cp_group.size() if cp_group is not None else 1
+    engine = H.Engine(sa, mc, model, pool_pages=pool_pages, cp_group=cp_group if shared else None, max_len=max_len,
+                      scratch_pages=G.scratch_pages(max_len, chunk, world))  # as the plugin reserves at start-up
     torch.cuda.synchronize()
     engine.pool_alloc_bytes = torch.cuda.memory_allocated() - before
     engine.init_requests(seed=3)
@@ -138,12 +140,17 @@ def rank_main(rank, world, group, args, model_path):
     max_len = max(c["prefix"] + c["new"] for c in cases) + G.PAGE
     tokens = {i: torch.randint(2, mc.hf_config.vocab_size, (max_len,), generator=g) for i in range(2)}
     pool_pages = 2 * -(-max_len // G.PAGE) + 8
+    warm_up = {"name": "warm-up", "prefix": args.chunk // 2, "new": args.chunk // 2}  # compiles every kernel, untimed
+    for path in PATHS:
+        engine = _engine(sa, mc, model, path, cp_group, pool_pages, max_len, args.chunk)
+        _run_case(engine, clock, warm_up, args, tokens)
+        del engine
     results = []
     for case in cases:
         row = {"case": case}
         for rep in range(args.repeats):
             for path in PATHS if rep % 2 == 0 else reversed(PATHS):  # alternate the order: drift cancels
-                engine = _engine(sa, mc, model, path, cp_group, pool_pages, max_len)
+                engine = _engine(sa, mc, model, path, cp_group, pool_pages, max_len, args.chunk)
                 times, layers, exposed, logits = _run_case(engine, clock, case, args, tokens)
                 held, used = _pages_held(engine, case, world)
                 r = row.setdefault(path, {"ms": [], "layer_ms": [], "exposed_ms": []})
@@ -155,10 +162,32 @@ def rank_main(rank, world, group, args, model_path):
                 del engine
                 torch.cuda.empty_cache()
         results.append(row)
+    profiles = _profile(sa, mc, model, cp_group, pool_pages, max_len, clock, cases[-1], args, tokens) if args.profile else {}
     bandwidth = _materialize_bandwidth(args, rank, world, group, cases)
     import gpu_stand_ins
 
-    return {"results": results, "bandwidth": bandwidth, "stand_ins": gpu_stand_ins.report()} if rank == 0 else None
+    return {"results": results, "bandwidth": bandwidth, "profiles": profiles, "stand_ins": gpu_stand_ins.report()} if rank == 0 else None
+
+
+def _profile(sa, mc, model, cp_group, pool_pages, max_len, clock, case, args, tokens):
+    """torch.profiler over the timed chunks of `case`, per path: where host time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    tables = {}
+    for path in ("replicated", "shared_prefetch"):
+        engine = _engine(sa, mc, model, path, cp_group, pool_pages, max_len, args.chunk)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+            _run_case(engine, clock, case, args, tokens)
+        tables[path] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
+        # where the host blocks: every copy and synchronisation, by the Python lines that issued it
+        syncs = [e for e in prof.key_averages(group_by_stack_n=6) if e.key in ("cudaMemcpyAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize")]
+        tables[path + " host waits"] = "\n".join(
+            f"{e.key} x{e.count} {e.self_cpu_time_total / 1e3:.1f} ms\n    " + "\n    ".join(e.stack[:6])
+            for e in sorted(syncs, key=lambda e: -e.count)[:25]
+        )
+        del engine
+        torch.cuda.empty_cache()
+    return tables
 
 
 def _materialize_bandwidth(args, rank, world, group, cases):
@@ -192,9 +221,10 @@ def _summarize(out, args):
             exposed = [statistics.median(v) for v in zip(*[e for rep in r["exposed_ms"] for e in rep])]
             identical = all(torch.equal(a, b) for a, b in zip(r["logits"], base["logits"]))
             max_diff = max(float((a - b).abs().max()) for a, b in zip(r["logits"], base["logits"]))
+            outside = [t - sum(l) for rep_t, rep_l in zip(r["ms"], r["layer_ms"]) for t, l in zip(rep_t, rep_l)]
             rows.append({
                 "case": row["case"]["name"], "path": path, "chunks": len(chunk_ms),
-                "ms": sum(chunk_ms), "chunk_ms": chunk_ms,
+                "ms": sum(chunk_ms), "chunk_ms": chunk_ms, "outside_layers_ms_per_chunk": statistics.median(outside),
                 "x_replicated": sum(chunk_ms) / sum(_median_chunks(base["ms"])),
                 "layer_ms": layer_ms, "exposed_ms_per_layer": exposed,
                 "exposed_share": sum(exposed) / max(sum(layer_ms), 1e-9),
@@ -213,10 +243,10 @@ def _table(rows):
 
 def report(out, args) -> dict:
     summary = _summarize(out, args)
-    head = ["case", "path", "chunks", "ms", "x repl.", "ms/layer", "exposed ms/layer", "exposed %", "KV pages held", "scratch MiB", "logits = repl."]
+    head = ["case", "path", "chunks", "ms", "x repl.", "ms/layer", "outside layers ms/chunk", "exposed ms/layer", "exposed %", "KV pages held", "scratch MiB", "logits = repl."]
     table = [head] + [
         [s["case"], s["path"], s["chunks"], f"{s['ms']:.1f}", f"{s['x_replicated']:.3f}",
-         f"{statistics.mean(s['layer_ms']):.2f}", f"{statistics.mean(s['exposed_ms_per_layer']):.3f}",
+         f"{statistics.mean(s['layer_ms']):.2f}", f"{s['outside_layers_ms_per_chunk']:.2f}", f"{statistics.mean(s['exposed_ms_per_layer']):.3f}",
          f"{100 * s['exposed_share']:.1f}", f"{s['pages_held']}/{s['pages_used']}", f"{s['scratch_bytes'] / MIB:.0f}",
          "yes" if s["logits_identical_to_replicated"] else f"no ({s['max_logit_diff_vs_replicated']:.2e})"]
         for s in summary
@@ -229,6 +259,8 @@ def report(out, args) -> dict:
     print(_table(bw))
     print()
     print(out["stand_ins"])
+    for path, table in out["profiles"].items():
+        print(f"\nprofile of {path} ({out['results'][-1]['case']['name']}, every chunk incl. the untimed prefix)\n{table}")
     return {"machine": _machine(), "args": vars(args), "config": G.GLM5_ATTN | {"num_hidden_layers": args.layers},
             "paths": summary, "materialize_bandwidth": out["bandwidth"], "stand_ins": out["stand_ins"]}  # fmt: skip
 
@@ -283,10 +315,11 @@ def main(argv=None):
     p.add_argument("--chunk", type=int, default=8192, help="--chunked-prefill-size")
     p.add_argument("--cold", type=_ints, default=[32768, 65536, 131072])
     p.add_argument("--hit", type=_pairs, default=[(61440, 4096), (126976, 4096)], help="PREFIX:NEW,... (PREFIX a multiple of 64)")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bw-repeats", type=int, default=20)
     p.add_argument("--out", default="benchmark/results")
     p.add_argument("--plot", action="store_true")
+    p.add_argument("--profile", action="store_true", help="torch.profiler tables of the last case, replicated and shared_prefetch")
     args = p.parse_args(argv)
     if torch.cuda.device_count() < args.cp:
         sys.exit(f"--cp {args.cp} needs {args.cp} GPUs; this machine has {torch.cuda.device_count()}")

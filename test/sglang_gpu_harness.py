@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from sglang_model_harness import PAGE  # noqa: F401  (the DSA page: 64 tokens)
+from sglang_model_harness import PAGE  # the DSA page: 64 tokens
 
 # SGLang's own switches for its torch / Triton paths (audit rows 15-19, 21), set before import.
 ENV = {
@@ -149,6 +149,13 @@ def build_model(sa, seed: int = 0):
     return mc, model
 
 
+def scratch_pages(context_len: int, chunk: int, cp_size: int) -> int:
+    """What the plugin's configurator hook reserves at start-up for this context and chunk size."""
+    from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import dense_scratch_pages
+
+    return dense_scratch_pages(context_len, chunk, PAGE, cp_size)
+
+
 # ---- the correctness scenario ---------------------------------------------------------------------
 
 # Contexts past index_topk (2048), so the indexer's top-k really selects. (request, new tokens).
@@ -190,7 +197,7 @@ def run_check(rank, world, group, model_path, mode, prefetch=True):
         os.environ[envs.SGLANG_NSA_CP_PREFETCH.name] = "1" if prefetch else "0"
         cp_group = get_parallel().attn_cp_group.device_group
     mc, model = build_model(sa)
-    engine = H.Engine(sa, mc, model, pool_pages=256, cp_group=cp_group, max_len=CHECK_MAX_LEN)
+    engine = H.Engine(sa, mc, model, pool_pages=256, cp_group=cp_group, max_len=CHECK_MAX_LEN, scratch_pages=scratch_pages(CHECK_MAX_LEN, CHECK_MAX_LEN, world))
     engine.init_requests(seed=3)
     toks = check_token_ids(mc.hf_config.vocab_size)
     logits = []

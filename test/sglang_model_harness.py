@@ -279,7 +279,7 @@ def build_model(sa, seed: int = 0):
 class Engine:
     """One rank's model, KV pool, DSA backend and request table: what SGLang's ModelRunner holds."""
 
-    def __init__(self, sa, mc, model, pool_pages: int, cp_group=None, max_len: int = 1024):
+    def __init__(self, sa, mc, model, pool_pages: int, cp_group=None, max_len: int = 1024, scratch_pages: int = 0):
         from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
         from sglang.srt.runtime_context import get_parallel
 
@@ -294,7 +294,9 @@ class Engine:
         if cp_group is not None:  # the plugin's pool, as its _build_dsa_kv_pool hook builds it
             from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import SharedKVDSATokenToKVPool
 
-            self.pool = SharedKVDSATokenToKVPool(**kw, cp_rank=par.attn_cp_rank, cp_size=par.attn_cp_size, cp_group=cp_group)
+            self.pool = SharedKVDSATokenToKVPool(
+                **kw, cp_rank=par.attn_cp_rank, cp_size=par.attn_cp_size, cp_group=cp_group, scratch_pages=scratch_pages
+            )
         else:
             self.pool = DSATokenToKVPool(**kw)
         self.pool_bytes = self.pool.get_kv_size_bytes()

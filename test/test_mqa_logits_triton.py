@@ -1,5 +1,5 @@
 """GPU, ~10 s: the harness's Triton fp8 MQA-logits kernel (test/mqa_logits_triton.py) against an
-fp32 reference of DeepGEMM's `fp8_mqa_logits` contract and against SGLang's own torch fallback
+fp32 reference of DeepGEMM's `fp8_mqa_logits` contract (within fp8 tensor-core accumulation) and against SGLang's own torch fallback
 (`_fp8_mqa_logits_torch`, whose scores are rounded to bf16). Only columns ks <= n < ke are
 compared: the kernel leaves the others unwritten, as DeepGEMM does with clean_logits=False.
 Skipped without CUDA or with the Triton interpreter on."""
@@ -43,7 +43,9 @@ def test_triton_mqa_logits_match_the_fp32_contract(m, n, heads):
     cols = torch.arange(n, device="cuda")[None, :]
     valid = (cols >= ks[:, None]) & (cols < ke[:, None])
     err = ((got - want).abs() * valid).max() / want.abs().max().clamp_min(1e-9)
-    assert err <= 1e-5, f"{m=}, {n=}, {heads=}: relative error {float(err):.2e}"
+    # Hopper's fp8 tensor cores accumulate with about 14 mantissa bits (DeepGEMM's kernel too):
+    # measured up to 7.7e-4 here on an H200; a wrong head, weight, scale or range is O(1).
+    assert err <= 2e-3, f"{m=}, {n=}, {heads=}: relative error {float(err):.2e}"
 
 
 def test_triton_mqa_logits_agree_with_sglangs_torch_fallback():

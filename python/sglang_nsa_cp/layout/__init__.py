@@ -8,7 +8,7 @@ from sglang_nsa_cp.layout.ownership import (
     local_page,
     page_owner,
 )
-from sglang_nsa_cp.layout.split import SPLIT_MODES, SplitError, SplitPlan, plan_split
+from sglang_nsa_cp.layout.split import SPLIT_MODES, SplitError, SplitPlan, host_to_device, plan_split
 
 __all__ = [
     "SPLIT_MODES",
@@ -18,6 +18,7 @@ __all__ = [
     "RequestPageTable",
     "SplitError",
     "SplitPlan",
+    "host_to_device",
     "local_page",
     "page_owner",
     "plan_split",

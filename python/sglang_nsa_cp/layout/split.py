@@ -32,6 +32,16 @@ class SplitError(ValueError):
     """Bad input to a split plan."""
 
 
+def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Copy a host-built tensor to `device` without stalling the host: a copy from pageable
+    memory waits for the device stream to drain (a pipeline bubble in the middle of a forward),
+    one from pinned memory is queued like a kernel."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True, eq=False)
 class SplitPlan:
     """The token split of one prefill batch over a CP group.
@@ -125,7 +135,7 @@ class SplitPlan:
         cache = self._device_cache
         if key not in cache:
             value = getattr(self, name)
-            cache[key] = (value(*args) if args else value).to(device)
+            cache[key] = host_to_device(value(*args) if args else value, device)
         return cache[key]
 
     @cached_property

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_nsa_cp.layout import host_to_device
 from sglang_nsa_cp.shared_kv import debug
 
 
@@ -135,10 +136,13 @@ def build_dense_plan(
     flat_req = torch.repeat_interleave(torch.arange(len(seq_lens)), pages_per_req)
     flat_col = torch.arange(flat_req.numel()) - (torch.cumsum(pages_per_req, 0) - pages_per_req)[flat_req]
     is_hist = flat_col < hist_per_req[flat_req]
-    logical = page_table.long()[flat_req.to(device), flat_col.to(device)]
-    hist_pages, cur_pages = logical[is_hist.to(device)], logical[(~is_hist).to(device)]
-    num_current_pages = int((~is_hist).sum())
+    # Positions picked on the host: a boolean mask on the device would wait for it to drain.
+    order = torch.cat([is_hist.nonzero().flatten(), (~is_hist).nonzero().flatten()])
+    req_d, col_d = (host_to_device(t[order], device) for t in (flat_req, flat_col))
+    logical = page_table.long()[req_d, col_d]  # history pages, then current-only pages
     num_hist_refs = int(is_hist.sum())
+    hist_pages, cur_pages = logical[:num_hist_refs], logical[num_hist_refs:]
+    num_current_pages = cur_pages.numel()
 
     page_pos = torch.empty(num_logical_pages, dtype=torch.long, device=device)
     pages_per_rank = 0

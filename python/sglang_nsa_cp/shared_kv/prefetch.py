@@ -89,6 +89,11 @@ class HistoryPrefetcher:
             page_bytes += store.index[0].shape[1]
         return 2 * num_dense_pages * page_bytes
 
+    @property
+    def capacity(self) -> int:
+        """Dense pages each half of the scratch holds now."""
+        return self._capacity
+
     def scratch_bytes(self) -> int:
         """Bytes the scratch holds now (both halves)."""
         return sum(t.numel() * t.element_size() for half in self._halves for t in half)

@@ -24,9 +24,14 @@ class SharedKVIndexKeyCache(IndexKeyCache):
         # No allocation: the buffers are the pool's KVStore index shards.
         self.pool = pool
         self.buffer = pool.store.index
+        self._written: tuple[int, object] | None = None  # (layer id, dense pages) handed to the writers
+
+    def begin_batch(self) -> None:
+        """Forget the previous batch's view (the pool calls this at every batch boundary)."""
+        self._written = None
 
     def get_buffer(self, layer_id: int):
-        if self.pool._plan is None:
+        if not self.pool.in_extend:
             return self.get_local_buffer(layer_id)
         return self._kernel_view(self._written_dense(layer_id))
 
@@ -34,13 +39,12 @@ class SharedKVIndexKeyCache(IndexKeyCache):
         # Reads never acquire a layer: acquiring launches the next layer's all-gather, a
         # collective, and only writes are known to happen on every rank (a rank without local
         # queries skips the indexer's reads).
-        view = self.pool._index_view
-        if view is None or view[0] != layer_id:
+        if self._written is None or self._written[0] != layer_id:
             raise RuntimeError(
                 f"layer {layer_id}'s index keys were read before they were written in this extend batch; "
                 "the shared-KV pool builds the dense index pages at the layer's first index write"
             )
-        return view[1]
+        return self._written[1]
 
     def get_k_and_scale(self, layer_id, seq_len_tensor, page_indices, seq_len_sum, max_seq_len):
         plan = self.pool.plan
@@ -54,12 +58,12 @@ class SharedKVIndexKeyCache(IndexKeyCache):
         local = self._kernel_view(self.buffer[layer_id - pool.start_layer])
         if local.shape[0] == 0:
             raise RuntimeError(f"layer {layer_id} reuses the previous layer's top-k and stores no index keys")
-        if pool._plan is None:
+        if not pool.in_extend:
             return [(local, pool.local_rows(loc), None)]
-        pool.check_batch_slots(loc)
+        pool.debug_check_slots(loc)
         dense = pool.layer_view(layer_id).index  # the writing stream waits for the layer's history
-        pool._index_view = (layer_id, dense)
-        return [(self._kernel_view(dense), pool._cached_loc("dense", loc), None), (local, pool._cached_loc("local", loc), None)]
+        self._written = (layer_id, dense)
+        return [(self._kernel_view(dense), pool.dense_rows(loc), None), (local, pool.local_rows(loc), None)]
 
     def store_quantized(self, layer_id, loc, index_k, index_k_scale) -> None:
         for buf, slots, rows in self.write_targets(layer_id, loc):

@@ -88,7 +88,6 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
         self.cp_rank, self.cp_size, self.cp_group = cp_rank, cp_size, cp_group
         self._plan: DensePlan | None = None
         self._latent_view: tuple[int, torch.Tensor] | None = None  # (layer id, dense rows) with the chunk written
-        self._index_view: tuple[int, torch.Tensor] | None = None  # (layer id, dense pages) handed to the writers
         self._loc_cache: dict[tuple, torch.Tensor] = {}
         self._slots_checked = False
         super().__init__(size, *args, **kwargs)
@@ -155,8 +154,13 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
 
     # ---- the per-batch plan (PageInterleaveKVPoolMixin contract) ---------------------------------
     @property
-    def _shard_extend_active(self) -> bool:
+    def in_extend(self) -> bool:
+        """Between `begin_shard_extend` and the next batch boundary: the getters serve the dense view."""
         return self._plan is not None
+
+    @property
+    def _shard_extend_active(self) -> bool:  # the name PageInterleaveKVPoolMixin's contract uses
+        return self.in_extend
 
     @property
     def plan(self) -> DensePlan:
@@ -175,7 +179,7 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
             page_table, prefix_lens, seq_lens, page_size=self.page_size, cp_size=self.cp_size,
             rank=self.cp_rank, num_logical_pages=self.num_logical_pages,
         )  # fmt: skip
-        if self._plan.num_dense_pages > max(self._reserved_pages, self.prefetcher._capacity):
+        if self._plan.num_dense_pages > max(self._reserved_pages, self.prefetcher.capacity):
             logger.warning(
                 "Shared-KV DSA pool: a batch needs %d dense pages, more than the %d reserved at start-up; "
                 "the scratch grows to %.1f MiB outside the KV budget",
@@ -191,7 +195,8 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
 
     def _reset_batch(self) -> None:
         self._plan = None
-        self._latent_view = self._index_view = None
+        self._latent_view = None
+        self.index_key_cache.begin_batch()
         self._loc_cache.clear()
         self._slots_checked = False
 
@@ -205,31 +210,39 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
         layer in order: through the writes, which every rank makes."""
         return self.prefetcher.acquire(layer_id - self.start_layer)
 
-    def _cached_loc(self, kind: str, loc: torch.Tensor) -> torch.Tensor:
-        """`translate` or `local_rows` of `loc`, once per batch: every layer passes the same
-        out_cache_loc tensor. Keyed by the tensor object, which the cache keeps alive until the
-        batch ends, so a freed temporary's id or memory can never alias another loc tensor."""
-        hit = self._loc_cache.get((kind, id(loc)))
-        if hit is not None and hit[0] is loc:
-            return hit[1]
-        out = self.plan.translate(loc) if kind == "dense" else self.local_rows(loc)
-        self._loc_cache[(kind, id(loc))] = (loc, out)
-        return out
+    def dense_rows(self, loc: torch.Tensor) -> torch.Tensor:
+        """Rows of this batch's dense view for logical slots `loc` (once per batch and tensor)."""
+        return self._once_per_batch("dense", loc, self.plan.translate)
 
     def local_rows(self, loc: torch.Tensor) -> torch.Tensor:
         """Local shard row of each logical slot; slots of other owners go to the trash page."""
+        return self._once_per_batch("local", loc, self._local_rows) if self.in_extend else self._local_rows(loc)
+
+    def _local_rows(self, loc: torch.Tensor) -> torch.Tensor:
         rows = kernels.owned_physical_rows(loc.long(), self.cp_rank, self.cp_size, self.page_size)
         return torch.where(rows >= 0, rows, self.trash_page * self.page_size + loc.long() % self.page_size)
 
-    def check_batch_slots(self, loc: torch.Tensor) -> None:
-        """Once per batch (one host read): the written slots lie on the batch's planned pages;
-        with SGLANG_NSA_CP_DEBUG=1, each has exactly one owner across the group."""
-        if self._slots_checked:
+    def _once_per_batch(self, kind: str, loc: torch.Tensor, fn) -> torch.Tensor:
+        """`fn(loc)`, computed once per batch: every layer passes the same out_cache_loc tensor.
+        Keyed by the tensor object, which the cache keeps alive until the batch ends, so a freed
+        temporary's id or memory can never alias another loc tensor."""
+        hit = self._loc_cache.get((kind, id(loc)))
+        if hit is not None and hit[0] is loc:
+            return hit[1]
+        out = fn(loc)
+        self._loc_cache[(kind, id(loc))] = (loc, out)
+        return out
+
+    def debug_check_slots(self, loc: torch.Tensor) -> None:
+        """With SGLANG_NSA_CP_DEBUG=1, once per batch: the written slots lie on the batch's planned
+        pages and each has exactly one owner across the group (host reads and a collective).
+        Off, nothing runs: the plan's builder already refused pages outside the pool, and a slot
+        of SGLang's out_cache_loc is one of the pages its req_to_token (the plan's input) holds."""
+        if not debug.ENABLED or self._slots_checked:
             return
         self._slots_checked = True
         self.plan.check_slots(loc)
-        if debug.ENABLED:
-            debug.check_write_coverage(self.store, loc, self.cp_group)
+        debug.check_write_coverage(self.store, loc, self.cp_group)
 
     # ---- MLA latent ------------------------------------------------------------------------------
     def set_mla_kv_buffer(self, layer, loc_info, cache_k_nope, cache_k_rope, layer_id_override=None):
@@ -249,10 +262,10 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
         if self._plan is None:
             self.store.write(local_layer, loc, rows)
             return
-        self.check_batch_slots(loc)
+        self.debug_check_slots(loc)
         view = self.layer_view(layer_id)  # history landed before the shard's mid-page rows change
         self.store.write(local_layer, loc, rows)
-        dense = kernels.scatter_rows(view.latent.view(-1, self.kv_cache_dim), self._cached_loc("dense", loc), rows)
+        dense = kernels.scatter_rows(view.latent.view(-1, self.kv_cache_dim), self.dense_rows(loc), rows)
         self._latent_view = (layer_id, dense.unsqueeze(1))
 
     def dense_latent(self, layer_id: int) -> torch.Tensor:
@@ -280,7 +293,7 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
     def get_mla_kv_buffer(self, layer, loc, dst_dtype=None):
         if self._plan is None:
             raise RuntimeError("the shared-KV pool reads logical rows only inside an extend batch")
-        kv = self.dense_latent(layer.layer_id)[self._cached_loc("dense", loc)]
+        kv = self.dense_latent(layer.layer_id)[self.dense_rows(loc)]
         kv = kv.to(dst_dtype or self.dtype)
         return kv[..., : self.kv_lora_rank].contiguous(), kv[..., self.kv_lora_rank :].contiguous()
 
