@@ -17,6 +17,7 @@ import shlex
 from dataclasses import dataclass
 
 from sglang_nsa_cp.oracle import DTYPES, PATH_SPLIT_MODES
+from sglang_nsa_cp.pd import DEFAULT_DECODE_STEPS
 from sglang_nsa_cp.reference.config import CONFIGS
 
 # Bounds that keep a CPU demo a demo: every rank is a process, every pool is allocated up front.
@@ -27,7 +28,6 @@ MAX_DECODE_STEPS = 1024
 MAX_SEED = 2**63 - 1  # the model seeds torch with seed, the tokens with seed + 1
 DEFAULT_EXTEND_LENS = [200, 57, 5, 120]
 DEFAULT_PREFIX_LENS = [0, 150, 0, 0]
-DEFAULT_DECODE_STEPS = 4
 MOONCAKE_LOG_LEVELS = ("trace", "info", "warning", "error")  # Mooncake's MC_LOG_LEVEL values
 
 
@@ -54,27 +54,29 @@ class DemoOptions:
 
 def add_demo_arguments(demo: argparse.ArgumentParser) -> None:
     """Every value is read as text and checked by `check_demo_args`, so all errors read alike."""
-    demo.add_argument("--cp", default="4", help=f"CP ranks (one process each), 1 to {MAX_RANKS}; default 4")
-    demo.add_argument("--split", default="zigzag", help="zigzag or interleave; default zigzag")
-    demo.add_argument("--page-size", default="16", help=f"tokens per KV page, 1 to {MAX_PAGE_SIZE}; default 16")
+    demo.add_argument("--cp", metavar="N", default="4", help=f"CP ranks (one process each), 1 to {MAX_RANKS}; default 4")
+    demo.add_argument("--split", metavar="MODE", default="zigzag", help="zigzag or interleave; default zigzag")
+    demo.add_argument("--page-size", metavar="P", default="16", help=f"tokens per KV page, 1 to {MAX_PAGE_SIZE}; default 16")
     demo.add_argument(
         "--extend-lens",
+        metavar="A,B,...",
         help="new tokens per request, comma-separated, each >= 1; default "
         + ",".join(map(str, DEFAULT_EXTEND_LENS)),
     )
     demo.add_argument(
         "--prefix-lens",
+        metavar="X,Y,...",
         help="cached tokens per request (one per --extend-lens value), each >= 0; default "
         + ",".join(map(str, DEFAULT_PREFIX_LENS))
         + " with the default --extend-lens, else all 0",
     )
-    demo.add_argument("--seed", default="0", help="weights and tokens seed, 0 to 2**63-1; default 0")
-    demo.add_argument("--config", default="tiny", help=f"reference model config: {', '.join(CONFIGS)}; default tiny")
-    demo.add_argument("--dtype", default="float32", help=f"{' or '.join(DTYPES)}; default float32")
+    demo.add_argument("--seed", metavar="S", default="0", help="weights and tokens seed, 0 to 2**63-1; default 0")
+    demo.add_argument("--config", metavar="NAME", default="tiny", help=f"reference model config: {', '.join(CONFIGS)}; default tiny")
+    demo.add_argument("--dtype", metavar="DTYPE", default="float32", help=f"{' or '.join(DTYPES)}; default float32")
     demo.add_argument("--no-prefetch", action="store_true", help="shared path: materialize in place, not one layer ahead")
     demo.add_argument("--pd", action="store_true", help="also transfer to a decode process and decode (PD end to end)")
     demo.add_argument(
-        "--decode-steps", help=f"with --pd: greedy decode steps, 0 to {MAX_DECODE_STEPS}; default {DEFAULT_DECODE_STEPS}"
+        "--decode-steps", metavar="K", help=f"with --pd: greedy decode steps, 0 to {MAX_DECODE_STEPS}; default {DEFAULT_DECODE_STEPS}"
     )
     demo.add_argument("--json", metavar="PATH", help="also write the full report as JSON (checked before the run)")
     demo.add_argument(
@@ -155,7 +157,7 @@ def check_json_path(value: str) -> str:
 
 
 def check_demo_args(args: argparse.Namespace) -> DemoOptions:
-    """Every option of the demo checked, in command-line order, before any work."""
+    """Every option of the demo checked, in the order --help lists them, before any work."""
     cp = _int("--cp", args.cp, 1, MAX_RANKS, "CP ranks, one process each")
     split = _choice("--split", args.split, list(PATH_SPLIT_MODES), "how tokens are split across ranks")
     page_size = _int("--page-size", args.page_size, 1, MAX_PAGE_SIZE, "tokens per KV page")
