@@ -1,5 +1,6 @@
 """The demo command (`python -m sglang_nsa_cp demo`): the KV it reports as held, and its refusal
-of bad input. CPU; about 2 minutes on 2 cores, most of it two demo runs with 6 and 8 ranks.
+of bad input. CPU; 2 to 5 minutes on 2 shared cores: two demo runs with 6 and 8 ranks, and
+23 short command runs (about 3 s of imports each).
 
 Bad input is run as a user runs it, in a subprocess: one line on stderr naming the option, the
 value and the rule, nothing on stdout, exit status 2, and no work done (no report, no --json file).
