@@ -1,7 +1,7 @@
 """Specification of the reference DSA model and its single-rank oracle path.
 
 CPU, about 10 s. The tiny config has index_topk = 16, so prompts of 20-300 tokens are sparse.
-Float32 comparisons are within 1e-5 relative (the oracle's bar in DESIGN.md); the dense
+Float32 comparisons are within 1e-5 relative (the oracle's bar in docs/design.md); the dense
 re-derivation below runs in float64 so it pins the math, not the rounding.
 """
 

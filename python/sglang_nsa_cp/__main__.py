@@ -2,7 +2,9 @@
 
 The demo spawns N CPU ranks over gloo, runs a few requests of mixed lengths (one continuing a
 cached prefix) through single-rank, replicated-CP and shared-KV-CP prefill of the reference
-model, and reports whether the oracle holds, KV bytes per rank and bytes moved per collective.
+model, and reports whether the oracle holds, the KV each rank holds for these requests (pages in
+use that it persists) next to the pool it allocated, and bytes moved per collective. Options are
+checked before any work (`demo_options`): a bad one ends the command with one line and status 2.
 
 With `--pd` it then runs PD disaggregation end to end (`sglang_nsa_cp.pd`): the shared-KV prefill
 ranks send the pages they own of each finished request to a decode process (this one) over
@@ -15,33 +17,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
+from sglang_nsa_cp.demo_options import DemoOptions, UsageError, add_demo_arguments, check_demo_args
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (unknown option, missing value) as one line, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m sglang_nsa_cp")
+    parser = _Parser(prog="python -m sglang_nsa_cp")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the three prefill paths on CPU ranks and check the oracle")
-    demo.add_argument("--cp", type=int, default=4, help="CP ranks (processes), default 4")
-    demo.add_argument("--split", choices=["zigzag", "interleave"], default="zigzag")
-    demo.add_argument("--page-size", type=int, default=16)
-    demo.add_argument("--extend-lens", type=_int_list, default=[200, 57, 5, 120], help="new tokens per request")
-    demo.add_argument("--prefix-lens", type=_int_list, default=[0, 150, 0, 0], help="cached tokens per request")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--config", default="tiny", help="reference model config (tiny, glm5-attn)")
-    demo.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    demo.add_argument("--no-prefetch", action="store_true", help="shared path: materialize in place, not one layer ahead")
-    demo.add_argument("--pd", action="store_true", help="also transfer to a decode process and decode (PD end to end)")
-    demo.add_argument("--decode-steps", type=int, default=4, help="with --pd: greedy decode steps, default 4")
-    demo.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
+    add_demo_arguments(demo)
     return parser
 
 
@@ -51,12 +45,13 @@ def _table(rows: list[list[str]]) -> str:
 
 
 def _print_report(report: dict) -> None:
-    s, paths = report["scenario"], report["paths"]
+    s, paths, kv = report["scenario"], report["paths"], report["kv_per_rank"]
     print(f"scenario: cp={s['cp_size']} split={s['split']} page_size={s['page_size']} config={s['config']} dtype={s['dtype']}")
     print(f"chunks:   {s['chunks']}")
     print()
-    rows = [["path", "oracle", "max rel logit err", "top-k identical", "KV bytes/rank", "wall s"]]
-    rows.append(["single", "-", "-", "-", str(paths["single"]["kv_bytes"]), f"{paths['single']['seconds']:.1f}"])
+    single = paths["single"]
+    rows = [["path", "oracle", "max rel logit err", "top-k identical", "pages held", "KV bytes held", "KV pool bytes", "wall s"]]
+    rows.append(["single", "-", "-", "-", str(single["held_pages"]), str(single["held_bytes"]), str(single["kv_bytes"]), f"{single['seconds']:.1f}"])
     for name in ("replicated", "shared"):
         p = paths[name]
         rows.append([
@@ -64,10 +59,14 @@ def _print_report(report: dict) -> None:
             "ok" if p["ok"] else "FAILED",
             f"{p['max_rel_logit_err']:.2e}",
             str(p["topk_identical"]),
+            str(max(p["held_pages_per_rank"])),
+            str(max(p["held_bytes_per_rank"])),
             str(max(p["kv_bytes_per_rank"])),
             f"{p['seconds']:.1f}",
         ])
     print(_table(rows))
+    held = ", ".join(str(n) for n in paths["shared"]["held_pages_per_rank"])
+    print(f"(per rank; CP rows show the busiest rank. Shared pages held by ranks 0..{s['cp_size'] - 1}: {held})")
     print()
     kinds = sorted(set(paths["replicated"]["bytes_moved"]) | set(paths["shared"]["bytes_moved"]))
     rows = [["bytes moved per collective kind", "replicated", "shared"]]
@@ -75,8 +74,11 @@ def _print_report(report: dict) -> None:
         rows.append([kind] + [str(paths[p]["bytes_moved"].get(kind, {}).get("bytes", 0)) for p in ("replicated", "shared")])
     print(_table(rows))
     print()
-    ratio = max(paths["shared"]["kv_bytes_per_rank"]) / max(paths["replicated"]["kv_bytes_per_rank"])
-    print(f"shared KV per rank = {ratio:.3f} x replicated (1/N = {1 / s['cp_size']:.3f})")
+    print(
+        f"shared KV held per rank = {kv['held_ratio']:.3f} x replicated "
+        f"(busiest rank {kv['busiest_shared_rank_pages']} of {kv['pages_in_use']} pages; 1/N = {1 / s['cp_size']:.3f})"
+    )
+    print(f"shared KV pool per rank = {kv['pool_ratio']:.3f} x replicated (pools sized for these requests, whole pages per rank)")
     print("oracle:", "ok" if report["ok"] else "FAILED")
 
 
@@ -112,60 +114,73 @@ def _print_pd_report(pd: dict) -> None:
     print("pd:", "ok" if pd["ok"] else "FAILED")
 
 
-def demo(args: argparse.Namespace) -> int:
+def demo(opts: DemoOptions) -> int:
     from sglang_nsa_cp.oracle import Scenario, run_oracle
 
-    try:
-        scenario = Scenario.from_lens(
-            args.extend_lens,
-            args.prefix_lens,
-            cp_size=args.cp,
-            split=args.split,
-            page_size=args.page_size,
-            config=args.config,
-            seed=args.seed,
-            dtype=args.dtype,
-            prefetch=not args.no_prefetch,
-        )
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.pd and args.decode_steps < 0:
-        print(f"error: --decode-steps must be >= 0, got {args.decode_steps}", file=sys.stderr)
-        return 2
+    scenario = Scenario.from_lens(
+        opts.extend_lens,
+        opts.prefix_lens,
+        cp_size=opts.cp,
+        split=opts.split,
+        page_size=opts.page_size,
+        config=opts.config,
+        seed=opts.seed,
+        dtype=opts.dtype,
+        prefetch=opts.prefetch,
+    )
     start = time.perf_counter()
     full = run_oracle(scenario)
     full["wall_seconds"] = time.perf_counter() - start
     _print_report(full)
-    if args.pd:
+    if opts.pd:
         from sglang_nsa_cp.pd import run_pd
 
         full["oracle_ok"] = full["ok"]
-        full["pd"] = run_pd(scenario, decode_steps=args.decode_steps)
+        full["pd"] = run_pd(scenario, decode_steps=opts.decode_steps)
         full["ok"] = full["oracle_ok"] and full["pd"]["ok"]
         full["wall_seconds"] = time.perf_counter() - start
         print()
         _print_pd_report(full["pd"])
     print(f"wall time: {full['wall_seconds']:.1f} s")
-    if args.json:
+    if opts.json_path is not None:
         paths = full["paths"]
         summary = {
             "ok": full["ok"],
-            "max_rel_logit_err": {p: paths[p]["max_rel_logit_err"] for p in ("replicated", "shared")},
-            "kv_bytes_per_rank": {p: paths[p]["kv_bytes_per_rank"] for p in ("replicated", "shared")},
-            "bytes_moved": {p: paths[p]["bytes_moved"] for p in ("replicated", "shared")},
+            **{
+                key: {p: paths[p][key] for p in ("replicated", "shared")}
+                for key in ("max_rel_logit_err", "held_pages_per_rank", "held_bytes_per_rank", "kv_bytes_per_rank", "bytes_moved")
+            },
             **full,
         }
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
+        try:
+            with open(opts.json_path, "w") as f:
+                json.dump(summary, f, indent=2)
+        except OSError as e:
+            print(f"python -m sglang_nsa_cp demo: error: --json {opts.json_path}: cannot be written ({e.strerror})", file=sys.stderr)
+            return 1
     return 0 if full["ok"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.command == "demo":
-        return demo(args)
-    return 2
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        opts = check_demo_args(args)
+    except UsageError as e:
+        parser.exit(2, f"{parser.prog} demo: error: {e}\n")
+    if opts.pd:
+        set_mooncake_log_level(opts.mooncake_log)
+    return demo(opts)
+
+
+def set_mooncake_log_level(level: str | None) -> None:
+    """Mooncake reads MC_LOG_LEVEL when its engine starts, in this process and in the spawned
+    prefill ranks (they inherit the environment). Without --mooncake-log: warnings and errors,
+    unless the environment already chose; its INFO lines are start-up chatter."""
+    if level is not None:
+        os.environ["MC_LOG_LEVEL"] = level.upper()
+    else:
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 
 
 if __name__ == "__main__":

@@ -85,7 +85,9 @@ class PathResult:
     logits: list[torch.Tensor]  # per chunk [bs, vocab]
     topk: list[list[torch.Tensor]]  # per chunk, per layer [num_tokens, topk] in flat order
     kv: dict[str, list[torch.Tensor]]  # per request, per layer: latent rows in position order
-    kv_bytes: int = 0
+    kv_bytes: int = 0  # the pool this rank allocated (capacity)
+    held_pages: int = 0  # pages of the scenario's requests this rank keeps
+    held_bytes: int = 0  # held_pages x bytes per page (all layers, latent and index)
     traffic: dict = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -132,6 +134,9 @@ def run_single(s: Scenario) -> PathResult:
         result.logits.append(model.logits(hidden[batch.last_token_idx]))
         result.topk.append(topk)
     result.kv_bytes = sum(t.numel() * t.element_size() for t in (cache.latent, cache.index_key, cache.index_scale))
+    pages_in_use = {p for key in s.final_lengths() for p in (cache.slots_of(key)[:: s.page_size] // s.page_size).tolist()}
+    result.held_pages = len(pages_in_use)
+    result.held_bytes = result.held_pages * result.kv_bytes // s.num_pages()
     result.seconds = time.perf_counter() - start
     return result
 
@@ -160,9 +165,21 @@ def _run_cp_path(rank, world, group, s: Scenario, model: DSAModel, path: str) ->
         # Local selections back to flat order on the parent: keep them with their token indices.
         result.topk.append([(plan.token_indices(rank), t) for t in topk])
     result.kv_bytes = store.nbytes()
+    result.held_pages = held_pages(store, table)
+    result.held_bytes = result.held_pages * result.kv_bytes // store.local_pages
     result.traffic = counter.as_dict()
     result.seconds = time.perf_counter() - start
     return result
+
+
+def held_pages(store: KVStore, table: RequestPageTable) -> int:
+    """Pages of the live requests that `store`'s rank persists: all of them in a replicated
+    store, the ones it owns (page % N == rank) in a shared one."""
+    pages = sorted({p for req_pages in table.pages.values() for p in req_pages})
+    if not pages:
+        return 0
+    first_slots = torch.tensor(pages, dtype=torch.long) * store.page_size
+    return int(store.owns(first_slots).sum())
 
 
 def _flat_topk(per_rank: list[PathResult], chunk: int) -> list[torch.Tensor]:
@@ -205,7 +222,9 @@ def run_oracle(s: Scenario, timeout_s: float = 300.0) -> dict:
     """All three paths and the checks; the report the demo prints and the tests assert on."""
     single = run_single(s)
     report = {"scenario": {"chunks": s.chunks, "cp_size": s.cp_size, "split": s.split, "page_size": s.page_size, "config": s.config, "seed": s.seed, "dtype": s.dtype, "prefetch": s.prefetch}}
-    report["paths"] = {"single": {"seconds": single.seconds, "kv_bytes": single.kv_bytes}}
+    report["paths"] = {
+        "single": {"seconds": single.seconds, "kv_bytes": single.kv_bytes, "held_pages": single.held_pages, "held_bytes": single.held_bytes}
+    }
     ranks = run_ranks(run_cp_rank, s.cp_size, args=(s,), timeout_s=timeout_s)
     for path in PATHS:
         per_rank = [r[path] for r in ranks]
@@ -213,8 +232,23 @@ def run_oracle(s: Scenario, timeout_s: float = 300.0) -> dict:
         report["paths"][path] = {
             **checks,
             "kv_bytes_per_rank": [r.kv_bytes for r in per_rank],
+            "held_pages_per_rank": [r.held_pages for r in per_rank],
+            "held_bytes_per_rank": [r.held_bytes for r in per_rank],
             "bytes_moved": per_rank[0].traffic,
             "seconds": max(r.seconds for r in per_rank),
         }
+    report["kv_per_rank"] = kv_per_rank(report["paths"])
     report["ok"] = all(report["paths"][p]["ok"] for p in PATHS)
     return report
+
+
+def kv_per_rank(paths: dict) -> dict:
+    """Shared against replicated KV on the busiest rank: held (pages of the scenario's requests)
+    and pool (capacity, sized for the scenario and rounded up to whole pages per rank)."""
+    shared, replicated = paths["shared"], paths["replicated"]
+    return {
+        "held_ratio": max(shared["held_bytes_per_rank"]) / max(replicated["held_bytes_per_rank"]),
+        "pool_ratio": max(shared["kv_bytes_per_rank"]) / max(replicated["kv_bytes_per_rank"]),
+        "pages_in_use": max(replicated["held_pages_per_rank"]),
+        "busiest_shared_rank_pages": max(shared["held_pages_per_rank"]),
+    }
