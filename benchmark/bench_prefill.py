@@ -154,7 +154,7 @@ def _time_ms(fn, device, repeats):
     return a.elapsed_time(b) / repeats
 
 
-def _materialize_vs_allgather(history_tokens, args, rank, world, group, device, dtype, latent_dim):
+def materialize_vs_allgather(history_tokens, args, rank, world, group, device, dtype, latent_dim):
     """Materialize of one layer's history (latent + index) against raw all-gathers of its bytes."""
     page = args.page_size
     num_pages = -(-(-(-history_tokens // page) + 1) // world) * world
@@ -216,14 +216,14 @@ def rank_main(rank, world, group, args):
                 row[path] = _run_path(model, path, case, args, rank, world, group, device)
         results.append(row)
     bandwidth = [
-        _materialize_vs_allgather(c["prefix"], args, rank, world, group, device, dtype, model.config.latent_dim)
+        materialize_vs_allgather(c["prefix"], args, rank, world, group, device, dtype, model.config.latent_dim)
         for c in cases
         if c["prefix"]
     ]
     row_bytes = model.config.latent_dim * dtype.itemsize + 132
     for mib in args.sweep_mib:
         tokens = int(mib * MIB / row_bytes)
-        bandwidth.append(_materialize_vs_allgather(tokens, args, rank, world, group, device, dtype, model.config.latent_dim))
+        bandwidth.append(materialize_vs_allgather(tokens, args, rank, world, group, device, dtype, model.config.latent_dim))
     return {"results": results, "bandwidth": bandwidth} if rank == 0 else None
 
 
@@ -236,7 +236,8 @@ def _machine(args) -> dict:
     return info
 
 
-def _table(rows):
+def format_table(rows) -> str:
+    """Right-aligned columns, one row per line (the first row is the header)."""
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(r, widths)) for r in rows)
 
@@ -252,13 +253,24 @@ def report(out, args) -> dict:
             err = rel_err(r["logits"], base)
             rows.append([row["case"]["name"], path, f"{r['ms']:.1f}", f"{ratio:.3f}", f"{r['exposed_materialize_ms']:.2f}", f"{r['kv_bytes'] / MIB:.1f}", f"{r['scratch_bytes'] / MIB:.1f}", f"{err:.1e}"])
             summary.append({"case": row["case"], "path": path, **{k: v for k, v in r.items() if k != "logits"}, "x_replicated": ratio, "logit_rel_err_vs_one_gpu": err})
-    print(_table(rows))
+    print(format_table(rows))
     print()
     rows = [["history tokens", "gathered MiB", "materialize ms", "all-gather ms", "materialize GB/s", "all-gather GB/s", "of all-gather"]]
     for b in out["bandwidth"]:
         rows.append([b["history_tokens"], f"{b['gathered_bytes'] / MIB:.1f}", f"{b['materialize_ms']:.3f}", f"{b['allgather_ms']:.3f}", f"{b['materialize_GBps']:.1f}", f"{b['allgather_GBps']:.1f}", f"{b['fraction_of_allgather']:.2f}"])
-    print(_table(rows))
+    print(format_table(rows))
     return {"machine": _machine(args), "args": {k: v for k, v in vars(args).items()}, "paths": summary, "materialize_bandwidth": out["bandwidth"]}
+
+
+def save_results(raw: dict, out_dir: str, name: str, plot=None) -> None:
+    """DIR/NAME.json with the raw numbers (and the machine line printed); DIR/NAME_timeline.png
+    from `plot(raw, path)` when given."""
+    print(json.dumps(raw["machine"]))
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(raw, f, indent=1)
+    if plot is not None:
+        plot(raw, os.path.join(out_dir, f"{name}_timeline.png"))
 
 
 def _plot(raw, path):
@@ -320,12 +332,7 @@ def main(argv=None):
     backend = "nccl" if args.device == "cuda" else "gloo"
     out = run_ranks(rank_main, args.cp, args=(args,), backend=backend, timeout_s=3000)[0]
     raw = report(out, args)
-    print(json.dumps(raw["machine"]))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_prefill.json"), "w") as f:
-        json.dump(raw, f, indent=1)
-    if args.plot:
-        _plot(raw, os.path.join(args.out, "bench_prefill_timeline.png"))
+    save_results(raw, args.out, "bench_prefill", _plot if args.plot else None)
     return raw
 
 

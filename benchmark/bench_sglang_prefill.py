@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -36,6 +35,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "test"))
 
 import sglang_gpu_harness as G  # noqa: E402
+from bench_prefill import format_table, materialize_vs_allgather, save_results  # noqa: E402
 
 from sglang_nsa_cp.comm import run_ranks  # noqa: E402
 
@@ -192,14 +192,12 @@ def _profile(sa, mc, model, cp_group, pool_pages, max_len, clock, case, args, to
 
 def _materialize_bandwidth(args, rank, world, group, cases):
     """The materialize step (the same core code the pool runs) next to a raw all-gather."""
-    import bench_prefill
-
     ns = SimpleNamespace(page_size=G.PAGE, bw_repeats=args.bw_repeats)
     device = torch.device("cuda", rank)
     latent_dim = G.GLM5_ATTN["kv_lora_rank"] + G.GLM5_ATTN["qk_rope_head_dim"]
     # the history each case's last chunk materializes per layer
     sizes = [c["prefix"] for c in cases if c["prefix"]] + [c["new"] - args.chunk for c in cases if not c["prefix"] and c["new"] > args.chunk]
-    return [bench_prefill._materialize_vs_allgather(n, ns, rank, world, group, device, torch.bfloat16, latent_dim) for n in sizes]
+    return [materialize_vs_allgather(n, ns, rank, world, group, device, torch.bfloat16, latent_dim) for n in sizes]
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -236,11 +234,6 @@ def _summarize(out, args):
     return rows
 
 
-def _table(rows):
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(r, widths)) for r in rows)
-
-
 def report(out, args) -> dict:
     summary = _summarize(out, args)
     head = ["case", "path", "chunks", "ms", "x repl.", "ms/layer", "outside layers ms/chunk", "exposed ms/layer", "exposed %", "KV pages held", "scratch MiB", "logits = repl."]
@@ -251,12 +244,12 @@ def report(out, args) -> dict:
          "yes" if s["logits_identical_to_replicated"] else f"no ({s['max_logit_diff_vs_replicated']:.2e})"]
         for s in summary
     ]  # fmt: skip
-    print(_table(table))
+    print(format_table(table))
     print()
     bw = [["history tokens", "gathered MiB", "materialize ms", "all-gather ms", "fraction of all-gather"]]
     for b in out["bandwidth"]:
         bw.append([b["history_tokens"], f"{b['gathered_bytes'] / MIB:.1f}", f"{b['materialize_ms']:.3f}", f"{b['allgather_ms']:.3f}", f"{b['fraction_of_allgather']:.2f}"])
-    print(_table(bw))
+    print(format_table(bw))
     print()
     print(out["stand_ins"])
     for path, table in out["profiles"].items():
@@ -328,12 +321,7 @@ def main(argv=None):
     model_path = G.write_config(tempfile.mkdtemp(prefix="glm5_attn_"), G.GLM5_ATTN | {"num_hidden_layers": args.layers, "first_k_dense_replace": args.layers})
     out = run_ranks(rank_main, args.cp, args=(args, model_path), backend="nccl", timeout_s=3000)[0]
     raw = report(out, args)
-    print(json.dumps(raw["machine"]))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_sglang_prefill.json"), "w") as f:
-        json.dump(raw, f, indent=1)
-    if args.plot:
-        _plot(raw, os.path.join(args.out, "bench_sglang_prefill_timeline.png"))
+    save_results(raw, args.out, "bench_sglang_prefill", _plot if args.plot else None)
     return raw
 
 

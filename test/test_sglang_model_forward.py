@@ -26,7 +26,7 @@ request 0's prompt; then one decode step for all four requests):
   rank owns (what the owned-page PD transfer delivers to a decode instance).
 At CP=2 all must give the same next-token logits (they are bit-identical here: dense MLPs are not
 TP-split, `moe_dense_tp_size=1`); at CP=4 shared KV must equal replicated CP=4 bit for bit (both
-differ from CP off in bf16 rounding). Every rank of a run must issue the same collectives in the
+differ from CP off through SGLang's top-k tie-breaking, see docs/sglang_cpu_forward.md). Every rank of a run must issue the same collectives in the
 same order. CP off and CP=2 shared KV are run once more through GLM-5's
 `GlmMoeDsaForCausalLM`.
 """
@@ -112,8 +112,8 @@ def test_cp2_shared_kv_matches_cp_off_and_replicated(runs, run):
 
 def test_cp4_shared_kv_matches_replicated_cp4(runs):
     """At CP=4 SGLang's own replicated CP already differs from CP off in the last prefill batch
-    and the decode step (bf16 rounding: see docs/sglang_cpu_forward.md); shared KV must reproduce
-    replicated CP=4 bit for bit."""
+    and the decode step (its torch top-k breaks ties by position in each rank's packed logits row:
+    docs/sglang_cpu_forward.md); shared KV must reproduce replicated CP=4 bit for bit."""
     for rank, (r, rep) in enumerate(zip(runs["shared-cp4"], runs["replicated-cp4"])):
         assert r["pool"] == "SharedKVDSATokenToKVPool", f"{rank=}: {r['pool']}"
         _assert_same_logits(r["logits"], rep["logits"], f"CP=4 shared KV vs replicated, rank {rank}")

@@ -179,7 +179,7 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
             page_table, prefix_lens, seq_lens, page_size=self.page_size, cp_size=self.cp_size,
             rank=self.cp_rank, num_logical_pages=self.num_logical_pages,
         )  # fmt: skip
-        if self._plan.num_dense_pages > max(self._reserved_pages, self.prefetcher.capacity):
+        if self._plan.num_dense_pages > self.prefetcher.capacity:  # the scratch is about to grow
             logger.warning(
                 "Shared-KV DSA pool: a batch needs %d dense pages, more than the %d reserved at start-up; "
                 "the scratch grows to %.1f MiB outside the KV budget",
