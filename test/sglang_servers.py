@@ -422,7 +422,7 @@ def main() -> None:
         text = complete(cluster.router_url, "Hello, shared KV!", 8)["choices"][0]["text"]
         print(f"/v1/completions via the router: {text!r}")
         if args.keep:
-            print(f"curl {cluster.router_url}/generate -d '{{\"text\": \"Hello\", \"sampling_params\": "
+            print(f"curl {cluster.router_url}/generate -H 'content-type: application/json' -d '{{\"text\": \"Hello\", \"sampling_params\": "
                   f"{{\"temperature\": 0, \"max_new_tokens\": 8}}}}'   (Ctrl-C stops the servers)")
             while True:
                 time.sleep(3600)
