@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import importlib.machinery
 import inspect
-import os
 import sys
 import textwrap
 import types
@@ -175,10 +174,6 @@ def patch_model(model):
 # ---- the test-only server plugin ------------------------------------------------------------------
 
 
-def _patch_loaded_model(result, runner, *args, **kwargs):
-    patch_model(runner.model)
-
-
 def install_server_stand_ins():
     """What only the server path (scheduler, model runner) needs beyond the model's stand-ins."""
     # The overlap scheduler's early send of a chunked request's cached prefix records a
@@ -200,6 +195,11 @@ def install_server_stand_ins():
     MooncakeKVSender.supports_host_tensor_indices = False
 
 
+def _patch_loaded_model(result, runner, *args, **kwargs):
+    """AFTER `ModelRunner.load_model`: the per-module stand-ins on the model SGLang just built."""
+    patch_model(runner.model)
+
+
 CUDA_ONLY_PROBLEM = "runs on CUDA only, got --device cpu"
 
 
@@ -212,7 +212,9 @@ def register():
     """Entry point of the test-only `cpu_stand_ins` plugin; runs in every SGLang process."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    # Argument resolution (launcher) and the DSA backend (schedulers) read the SM: take SM90's choices.
     torch.cuda.get_device_capability = lambda *a, **k: SM90
+    # The HTTP server imports soundfile for audio transcription only (not installed here).
     soundfile = types.ModuleType("soundfile")
     soundfile.__spec__ = importlib.machinery.ModuleSpec("soundfile", None)
     sys.modules.setdefault("soundfile", soundfile)

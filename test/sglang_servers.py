@@ -127,7 +127,7 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
@@ -173,14 +173,14 @@ class Proc:
         if self.popen is None:
             return
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-            if not _group_alive(self.pgid):
+            if not group_alive(self.pgid):
                 break
             try:
                 os.killpg(self.pgid, sig)
             except ProcessLookupError:
                 break
             deadline = time.monotonic() + wait_s
-            while _group_alive(self.pgid) and time.monotonic() < deadline:
+            while group_alive(self.pgid) and time.monotonic() < deadline:
                 self.popen.poll()
                 time.sleep(0.1)
         try:
@@ -277,6 +277,9 @@ class Cluster:
     def start(self, timeout_s: float = 240.0) -> "Cluster":
         self.model = write_model(str(self.workdir / "model"))
         env = server_env(write_plugin_site(str(self.workdir / "plugin_site")))
+        # SGLang's zmq sockets and temporary files go here, not into /tmp (a killed server leaves them)
+        env["TMPDIR"] = str(self.workdir / "tmp")
+        (self.workdir / "tmp").mkdir(parents=True, exist_ok=True)
         for name in self.roles:
             role_args, needs_bootstrap = ROLES[name]
             ports = free_ports(2 if needs_bootstrap else 1)
@@ -325,6 +328,10 @@ class Cluster:
                 raise TimeoutError(f"router has no healthy prefill and decode after {timeout_s} s:\n{router.log_tail()}")
             time.sleep(0.5)
 
+    def log_tails(self, chars: int = 1500) -> str:
+        """The end of every server's log, for failure messages."""
+        return "\n".join(f"--- {p.name} ({p.log}):\n{p.log_tail(chars)}" for p in self.procs)
+
     def stop(self) -> list[str]:
         """Stop every process group (in parallel); return what is still alive or listening."""
         threads = [threading.Thread(target=p.stop) for p in self.procs]
@@ -332,7 +339,7 @@ class Cluster:
             t.start()
         for t in threads:
             t.join(timeout=30)
-        leftovers = [f"{p.name}: process group {p.pgid} alive" for p in self.procs if p.popen and _group_alive(p.pgid)]
+        leftovers = [f"{p.name}: process group {p.pgid} alive" for p in self.procs if p.popen and group_alive(p.pgid)]
         leftovers += [f"{p.name}: port {port} open" for p in self.procs for port in p.ports if port_open(port)]
         return leftovers
 
