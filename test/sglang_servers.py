@@ -14,7 +14,6 @@ that the ports are closed again.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
