@@ -228,13 +228,19 @@ DSA_ARGS = [
 CP_ARGS = ["--tp", str(CP), "--enable-prefill-cp", "--cp-strategy", "interleave", "--attn-cp-size", str(CP),
            "--moe-dense-tp-size", "1"]  # fmt: skip
 PD_ARGS = ["--disaggregation-transfer-backend", "mooncake"]
+# SGLang's decode on CPU is not batch-invariant: the same prompt decoded beside different requests
+# can pick other greedy tokens after a few steps, on every path, a plain server included (see
+# docs/sglang_cpu_server.md). Servers that decode therefore run one request at a time; the
+# prefills batch freely, and the decode takes in up to 8 more requests' KV meanwhile.
+ONE_AT_A_TIME = ["--max-running-requests", "1"]
+DECODE_EXTRA_SLOTS = ["--disaggregation-decode-extra-slots", "8"]
 
 # name -> (extra launch_server arguments, needs a bootstrap port)
 ROLES = {
     "shared": (CP_ARGS + PD_ARGS + ["--disaggregation-mode", "prefill", "--enable-nsa-prefill-cp-shared-kv"], True),
     "replicated": (CP_ARGS + PD_ARGS + ["--disaggregation-mode", "prefill"], True),
-    "decode": (PD_ARGS + ["--disaggregation-mode", "decode"], False),
-    "single": ([], False),
+    "decode": (PD_ARGS + ["--disaggregation-mode", "decode"] + ONE_AT_A_TIME + DECODE_EXTRA_SLOTS, False),
+    "single": (ONE_AT_A_TIME, False),
 }
 
 
