@@ -7,6 +7,7 @@ stand-ins from a test-only plugin, docs/sglang_cpu_server.md):
 - replicated: PD prefill, CP=2 interleave, no flag (today's replicated CP);
 - decode:     PD decode, CP off, serving both prefills over Mooncake (TCP, 127.0.0.1);
 - single:     one ordinary non-PD, non-CP server (the oracle);
+  both decode one request at a time: SGLang's CPU decode is not batch-invariant (the docs);
 - SGLang's router (sglang-router, PD mode) in front of shared + decode; the replicated prefill is
   reached the router's way by the client (bootstrap fields to prefill and decode at once).
 Greedy tokens through the router must equal the single server's and the replicated PD's. The tests
