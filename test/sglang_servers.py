@@ -81,10 +81,18 @@ def write_tokenizer(path: str, vocab_size: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>").save_pretrained(path)
 
 
+# The forward harness's tiny DeepSeek-V3.2 with 16 index heads instead of 2. With 2, a key's index
+# score sum_h w_h * relu(q_h . k) is exactly 0 whenever both ReLUs are, many keys tie at the top-k
+# cutoff, and SGLang's torch top-k breaks ties by where a request sits in the batch
+# (docs/sglang_cpu_forward.md): the same prompt could then decode differently alone and in a batch.
+# With 16 heads an exact tie needs all 16 ReLUs at 0.
+MODEL = dict(H.TINY_V32, index_n_heads=16)
+
+
 def write_model(path: str) -> str:
-    """The tiny DeepSeek-V3.2 checkpoint of the forward harness, plus a tokenizer."""
-    H.write_checkpoint(path, H.TINY_V32)
-    write_tokenizer(path, H.TINY_V32["vocab_size"])
+    """The tiny checkpoint (`MODEL`), plus a tokenizer."""
+    H.write_checkpoint(path, MODEL)
+    write_tokenizer(path, MODEL["vocab_size"])
     return path
 
 
@@ -396,7 +404,7 @@ def complete(url: str, prompt: str | list[int], max_tokens: int, timeout_s: floa
 def prompt_ids(length: int, seed: int) -> list[int]:
     """Token ids 2..vocab-1 (no bos / eos), reproducible."""
     g = random.Random(seed)
-    return [g.randrange(2, H.TINY_V32["vocab_size"]) for _ in range(length)]
+    return [g.randrange(2, MODEL["vocab_size"]) for _ in range(length)]
 
 
 # ---- by hand ---------------------------------------------------------------------------------------

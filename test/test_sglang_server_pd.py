@@ -71,6 +71,12 @@ def _log_lines_since(server, mark, pattern):
     return [line for line in server.log.read_text(errors="replace")[mark:].splitlines() if re.search(pattern, line)]
 
 
+def _prefill_batches(server, mark):
+    """(requests, new tokens) of every prefill batch the server logged since `mark`."""
+    return [tuple(map(int, re.search(r"#new-seq: (\d+), #new-token: (\d+)", line).groups()))
+            for line in _log_lines_since(server, mark, r"Prefill batch")]  # fmt: skip
+
+
 def _log_mark(server):
     return len(server.log.read_text(errors="replace"))
 
@@ -114,9 +120,27 @@ def test_concurrent_requests_of_mixed_lengths_match_the_oracles(cluster):
         results = list(pool.map(lambda n: _three_paths(cluster, S.prompt_ids(n, seed=n)), lengths))
     for n, outputs in zip(lengths, results):
         _assert_same(f"prompt of {n} tokens", *outputs)
-    batches = [tuple(map(int, re.search(r"#new-seq: (\d+), #new-token: (\d+)", line).groups()))
-               for line in _log_lines_since(shared, mark, r"Prefill batch")]  # fmt: skip
+    batches = _prefill_batches(shared, mark)
     print("shared prefill batches (requests, tokens):", batches)
+    # Several requests in one prefill batch (one dense plan over requests of different lengths).
+    # Whether the scheduler batches the requests above depends on when each finishes its bootstrap
+    # with the decode; on a loaded machine they may all have run alone. So hold the shared prefill
+    # (SGLang's /pause_generation: new requests wait in its tokenizer manager, the decode side
+    # pre-allocates meanwhile), send short prompts, then let it go: they reach its scheduler together.
+    if not any(reqs >= 2 for reqs, _ in batches):
+        mark = _log_mark(shared)
+        short = [S.prompt_ids(n, seed=100 + n) for n in (40, 30, 20, 10)]
+        requests.post(shared.url + "/pause_generation", json={"mode": "in_place"}, timeout=30).raise_for_status()
+        with futures.ThreadPoolExecutor(len(short)) as pool:
+            pending = [pool.submit(S.generate, cluster.router_url, ids, NEW_TOKENS) for ids in short]
+            time.sleep(3)
+            requests.post(shared.url + "/continue_generation", json={}, timeout=30).raise_for_status()
+            got = [f.result()["output_ids"] for f in pending]
+        for ids, out in zip(short, got):
+            want = S.generate(cluster.servers["single"].url, ids, NEW_TOKENS)["output_ids"]
+            assert out == want, f"short prompt of {len(ids)} tokens, batched: {out} != single server {want}"
+        batches = _prefill_batches(shared, mark)
+        print("held, then released: shared prefill batches (requests, tokens):", batches)
     assert any(reqs >= 2 for reqs, _ in batches), f"no prefill batch held several requests: {batches}"
     # OpenAI-compatible completions, text in and out, through the router
     prompt = "Shared KV: one copy per CP group."
@@ -132,7 +156,7 @@ def test_long_prompt_prefilled_in_several_chunks(cluster):
     n = 2 * S.CHUNK_TOKENS + 40  # 3 chunks
     _assert_same(f"prompt of {n} tokens", *_three_paths(cluster, S.prompt_ids(n, seed=7)))
     chunks = _log_lines_since(shared, mark, r"Prefill batch.*#new-token: ")
-    assert len(chunks) >= 3, f"expected >= 3 prefill chunks on the shared prefill, got:\n" + "\n".join(chunks)
+    assert len(chunks) >= 3, "expected >= 3 prefill chunks on the shared prefill, got:\n" + "\n".join(chunks)
 
 
 def test_second_request_hits_the_prefill_radix_cache(cluster):
