@@ -4,7 +4,8 @@
 
 For every kernel and row kind (bf16 latent rows of 1152 bytes, FlashMLA fp8 rows of 656 bytes,
 index rows of 132 bytes, and 64-token pages of each) and input size, the run:
-1. checks the Triton kernel bitwise against the torch reference on poisoned outputs;
+1. checks the Triton kernel (and, for the fp8 store, the CUDA kernel too: rows
+   "store_owned_mla_fp8[cuda]") bitwise against the torch reference on poisoned outputs;
 2. times it with CUDA events (median of many runs after warm-up, L2 flushed before each run);
 3. times, in the same run, a device-to-device copy of the same bytes and the fastest plain-torch
    equivalent of several (index_select / index_copy_ / advanced indexing, on the native dtype
@@ -41,6 +42,7 @@ from typing import Callable
 import torch
 import triton
 
+from sglang_nsa_cp.kernels import cuda_fp8_store
 from sglang_nsa_cp.kernels import reference as ref
 from sglang_nsa_cp.kernels import triton_kernels as tk
 from sglang_nsa_cp.layout.split import plan_split
@@ -239,15 +241,17 @@ def store_rows_case(mib: int, pattern: str, n: int, rows_name: str) -> Case:
     )
 
 
-def store_fp8_case(mib: int, pattern: str, n: int) -> Case:
-    """Quantize + store: bf16 latent rows in, 656-byte fp8 rows out."""
+def store_fp8_case(mib: int, pattern: str, n: int, impl: str) -> Case:
+    """Quantize + store: bf16 latent rows in, 656-byte fp8 rows out, by the Triton or the CUDA
+    kernel (impl "triton" or "cuda")."""
+    store = tk.store_owned_mla_fp8 if impl == "triton" else cuda_fp8_store.store_owned_mla_fp8
     slots, shard_rows = store_slots(pattern, mib * MIB // 1152, n)
     tokens = slots.numel()
     kv = (torch.randn(tokens, 576, device=DEV) * torch.exp(torch.randn(tokens, 1, device=DEV))).to(torch.bfloat16)
     shard = torch.empty((shard_rows, ref.MLA_FP8_ROW_BYTES), dtype=torch.uint8, device=DEV)
 
     def check():
-        got = tk.store_owned_mla_fp8(poison(shard), slots, kv, 0, n, PAGE)
+        got = store(poison(shard), slots, kv, 0, n, PAGE)
         return same_bytes(got, ref.store_owned_mla_fp8(poison(shard.clone()), slots, kv, 0, n, PAGE))
 
     def compact_quantize():
@@ -260,13 +264,13 @@ def store_fp8_case(mib: int, pattern: str, n: int) -> Case:
     }
     moved = owned_count(slots, n) * (1152 + ref.MLA_FP8_ROW_BYTES)
     return Case(
-        "store_owned_mla_fp8",
+        "store_owned_mla_fp8" if impl == "triton" else "store_owned_mla_fp8[cuda]",
         "store",
         "bf16 -> fp8-656B",
         f"{pattern} cp{n}",
         mib,
         moved,
-        lambda: tk.store_owned_mla_fp8(shard, slots, kv, 0, n, PAGE),
+        lambda: store(shard, slots, kv, 0, n, PAGE),
         torch_fns,
         check,
     )
@@ -317,7 +321,8 @@ def store_cases(mib: int) -> list[Case]:
     for pattern in ("local", "gathered"):
         for n in (2, 4, 8):
             cases += [store_rows_case(mib, pattern, n, rows_name) for rows_name in ("bf16-1152B", "fp8-656B")]
-            cases += [store_fp8_case(mib, pattern, n), store_index_case(mib, pattern, n)]
+            cases += [store_fp8_case(mib, pattern, n, impl) for impl in ("triton", "cuda")]
+            cases.append(store_index_case(mib, pattern, n))
     return cases
 
 

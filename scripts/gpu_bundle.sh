@@ -26,7 +26,7 @@ FLASH_MLA=sgl-flash-mla==1.0.0   # torch stable ABI: loads on torch 2.11
 DEPS=(
   annotated-types==0.8.0 apache-tvm-ffi==0.1.11 compressed-tensors==0.18.0 dill==0.4.1
   distro==1.9.0 fastapi==0.165.0 gguf==0.19.0 ipython==9.18.1 jiter==0.19.0 loguru==0.7.3
-  msgspec==0.23.0 openai==2.8.0 opentelemetry-api==1.45.2 orjson==3.13.0
+  msgspec==0.23.0 ninja==1.13.2 openai==2.8.0 opentelemetry-api==1.45.2 orjson==3.13.0
   partial-json-parser==0.2.1.1.post7 pybase64==1.5.1 pydantic==2.14.4 pydantic-core==2.50.5
   pyzmq==27.3.0 sniffio==1.3.1 starlette==1.10.0 traitlets==5.16.1 transformers==5.19.0
   typing-extensions==4.16.0 typing-inspection==0.4.5 uvicorn==0.54.0
@@ -67,7 +67,8 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$WORK/wheels" "$WORK/dl_sglang" "$WORK/dl_sgk" "$WORK/dl_fmla"
 
-# A wheel's install is its unzip, minus scripts: purelib and platlib both land in one site dir.
+# A wheel's install is its unzip: purelib and platlib both land in one site dir, scripts (the
+# ninja binary that torch's cpp_extension builds with) in its bin/.
 unpack_wheel() { # unpack_wheel WHEEL DEST
   $PYTHON -m zipfile -e "$1" "$2"
   local data
@@ -76,6 +77,11 @@ unpack_wheel() { # unpack_wheel WHEEL DEST
     for lib in purelib platlib; do
       [ -d "$data/$lib" ] && cp -a "$data/$lib/." "$2/"
     done
+    if [ -d "$data/scripts" ]; then
+      mkdir -p "$2/bin"
+      cp -a "$data/scripts/." "$2/bin/"
+      chmod +x "$2"/bin/*
+    fi
     rm -rf "$data"
   done
 }

@@ -1,14 +1,15 @@
 # Installs the bundle that scripts/gpu_bundle.sh built (.gpu_bundle/, carried into the run) into a
 # target dir on the GPU machine, offline, in seconds; see docs/gpu_bundle.md.
 #
-#   source scripts/gpu_unpack.sh [TARGET]   # default /tmp/site; exports PYTHONPATH
+#   source scripts/gpu_unpack.sh [TARGET]   # default /tmp/site; exports PYTHONPATH and PATH
 #   bash scripts/gpu_unpack.sh [TARGET]     # the same, and prints the export line to use
 #
 # PYTHONPATH becomes TARGET:<repo>/python: SGLang's trimmed tree, its missing dependencies,
 # FlashMLA and sgl_kernel's Python package come before the machine's own site-packages, then our
 # package from the working tree. TARGET also gets a small sglang_nsa_cp dist-info that declares
 # our `sglang.srt.plugins` entry point, so SGLang's load_plugins() finds the plugin without a pip
-# install. Nothing here sets `-e`: when sourced, a failure returns without killing the shell.
+# install. PATH gets TARGET/bin (ninja, for the CUDA kernels torch's cpp_extension builds on first
+# use). Nothing here sets `-e`: when sourced, a failure returns without killing the shell.
 
 _gpu_unpack() {
   local repo target bundle want have py
@@ -64,7 +65,8 @@ else:
     print(f"gpu_unpack: {target} filled in {time.monotonic() - t0:.1f} s")
 EOF
   export PYTHONPATH="$target:$repo/python${PYTHONPATH:+:$PYTHONPATH}"
-  echo "export PYTHONPATH=$PYTHONPATH"
+  export PATH="$target/bin:$PATH"  # ninja, for the CUDA kernels built on first use
+  echo "export PYTHONPATH=$PYTHONPATH PATH=$PATH"
 }
 
 _gpu_unpack "$@"

@@ -254,6 +254,7 @@ def mode(monkeypatch):
     monkeypatch.delenv(kernels.KERNELS_ENV, raising=False)
     kernels.kernel_mode.cache_clear()
     kernels._failed.clear()
+    kernels._cuda_unbuildable.clear()
 
 
 def test_dispatch_rule(mode):
@@ -268,6 +269,29 @@ def test_dispatch_rule(mode):
     mode("cuda")
     with pytest.raises(ValueError, match="expected one of"):
         kernels.implementation("gather_rows", cpu)
+
+
+def test_fp8_store_prefers_its_cuda_kernel_and_falls_back_to_triton_with_one_warning(mode, monkeypatch):
+    from sglang_nsa_cp.kernels import cuda_fp8_store
+
+    cuda, op = torch.device("cuda"), "store_owned_mla_fp8"
+    mode(None)
+    monkeypatch.setattr(cuda_fp8_store, "build", lambda device: object())
+    assert kernels.implementation(op, cuda) == "cuda"
+    assert kernels.implementation("store_owned_rows", cuda) == "triton"  # no CUDA kernel
+
+    def no_toolkit(device):
+        raise OSError("CUDA_HOME environment variable is not set")
+
+    monkeypatch.setattr(cuda_fp8_store, "build", no_toolkit)
+    with pytest.warns(RuntimeWarning, match="could not be built .*CUDA_HOME.* using the Triton kernel"):
+        assert kernels.implementation(op, cuda) == "triton"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernels.implementation(op, cuda) == "triton"
+    mode("triton")
+    monkeypatch.setattr(cuda_fp8_store, "build", lambda device: object())
+    assert kernels.implementation(op, cuda) == "triton"
 
 
 def test_forced_triton_on_cpu_runs_the_kernel(mode, monkeypatch):

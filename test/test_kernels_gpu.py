@@ -1,4 +1,5 @@
-"""Triton kernels against their torch references on CUDA at GLM-5 sizes (GPU, ~20 s on an H200).
+"""Triton kernels, and the CUDA fp8 store, against their torch references on CUDA at GLM-5 sizes
+(GPU, ~20 s on an H200 plus about a minute to build the CUDA kernel the first time).
 
 Run with TRITON_INTERPRET=0 (conftest.py turns the interpreter on by default). Rows are GLM-5's:
 bf16 latent 576 values (1152 bytes), FlashMLA fp8 656 bytes, index K 128 fp8 bytes + fp32 scale
@@ -22,6 +23,7 @@ if triton.knobs.runtime.interpret:
     pytest.skip("GPU kernel tests need TRITON_INTERPRET=0", allow_module_level=True)
 
 from sglang_nsa_cp import kernels  # noqa: E402
+from sglang_nsa_cp.kernels import cuda_fp8_store  # noqa: E402
 from sglang_nsa_cp.kernels import reference as ref  # noqa: E402
 from sglang_nsa_cp.kernels import triton_kernels as tk  # noqa: E402
 
@@ -39,6 +41,15 @@ ROW_KINDS = [
 COPY_KINDS = [(name, dtype, width, 1) for name, dtype, width in ROW_KINDS] + [
     (f"{name}-page", dtype, PAGE * width, PAGE) for name, dtype, width in ROW_KINDS
 ]
+
+
+@pytest.fixture(params=["triton", "cuda"])
+def fp8_store(request):
+    """The fp8 store under test: the Triton kernel, or the CUDA one (built on first use)."""
+    if request.param == "triton":
+        return tk.store_owned_mla_fp8
+    cuda_fp8_store.build(DEV)  # a build failure fails the test: the GPU machine has nvcc and ninja
+    return cuda_fp8_store.store_owned_mla_fp8
 
 
 @pytest.fixture
@@ -103,7 +114,7 @@ def test_store_owned_rows(seed, cp_size, kind, dtype, width):
 
 
 @pytest.mark.parametrize("cp_size,tokens", [(1, 8192), (4, 131072), (8, 131072 - 5)])
-def test_store_owned_mla_fp8(seed, cp_size, tokens):
+def test_store_owned_mla_fp8(fp8_store, seed, cp_size, tokens):
     pages = -(-(tokens + PAGE) // PAGE)
     pages += -pages % cp_size
     slots = logical_slots(tokens, pages)
@@ -112,16 +123,45 @@ def test_store_owned_mla_fp8(seed, cp_size, tokens):
     kv = kv.to(torch.bfloat16)
     shard_rows = pages // cp_size * PAGE
     for rank in (0, cp_size - 1):
-        got = tk.store_owned_mla_fp8(poisoned(shard_rows, torch.uint8, 656), slots, kv, rank, cp_size, PAGE)
+        got = fp8_store(poisoned(shard_rows, torch.uint8, 656), slots, kv, rank, cp_size, PAGE)
         want = ref.store_owned_mla_fp8(poisoned(shard_rows, torch.uint8, 656), slots, kv, rank, cp_size, PAGE)
         assert_bytes_equal(f"fp8 store {cp_size=} {tokens=} {rank=} {seed=}", got, want)
 
 
-def test_fp8_rounding_of_every_bf16_value():
+def test_fp8_rounding_of_every_bf16_value(fp8_store):
     kv = every_bf16_block_value().to(DEV)
     slots = torch.arange(kv.shape[0], device=DEV)
-    got = tk.store_owned_mla_fp8(poisoned(kv.shape[0], torch.uint8, 656), slots, kv, 0, 1, PAGE)
+    got = fp8_store(poisoned(kv.shape[0], torch.uint8, 656), slots, kv, 0, 1, PAGE)
     assert_bytes_equal("fp8 rounding of every bf16 value in [2**-12, 448]", got, ref.quantize_mla_fp8(kv))
+
+
+def every_scale_and_value_rows(amax_bits: torch.Tensor) -> torch.Tensor:
+    """Latent rows whose 128-value blocks each hold one amax (a bf16 value, so one fp8 scale)
+    followed by 127 of the bf16 values x with |x| <= amax; for each amax in amax_bits, every
+    such x appears (blocks padded with zeros)."""
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32, device=DEV).to(torch.int16).view(torch.bfloat16)
+    per_block = 127
+    blocks = -(-x.numel() // per_block)
+    blocks += -blocks % 4  # whole rows of four blocks
+    amax = amax_bits.to(torch.int16).view(torch.bfloat16)[:, None]
+    values = torch.where(x.float().abs()[None, :] <= amax.float(), x[None, :], torch.zeros((), dtype=torch.bfloat16, device=DEV))
+    values = torch.nn.functional.pad(values, (0, blocks * per_block - x.numel()))
+    tile = torch.cat([amax.expand(-1, blocks).reshape(-1, 1), values.reshape(-1, per_block)], 1)
+    nope = tile.reshape(-1, 512)
+    return torch.cat([nope, torch.zeros(nope.shape[0], 64, dtype=torch.bfloat16, device=DEV)], 1)
+
+
+def test_fp8_division_of_every_bf16_value_by_every_scale(fp8_store):
+    """The kernel divides with one reciprocal and one fma correction, not an IEEE division: its
+    fp8 codes must equal torch's x / scale for every bf16 amax (the scale is amax * fp32(1/448))
+    and every bf16 x with |x| <= amax, 1,065,402,240 pairs."""
+    finite_positive = 0x7F7F
+    for first in range(0, finite_positive + 1, 512):
+        amax_bits = torch.arange(first, min(first + 512, finite_positive + 1), dtype=torch.int32, device=DEV)
+        kv = every_scale_and_value_rows(amax_bits)
+        slots = torch.arange(kv.shape[0], device=DEV)
+        got = fp8_store(poisoned(kv.shape[0], torch.uint8, 656), slots, kv, 0, 1, PAGE)
+        assert_bytes_equal(f"fp8 codes for bf16 amax bits {first:#x}..", got, ref.quantize_mla_fp8(kv))
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 8])
@@ -162,8 +202,19 @@ def test_offsets_past_2_31(seed):
     assert_bytes_equal(f"scatter past 2**31 bytes {seed=}", out[-64:], tail)
 
 
-def test_auto_dispatch_uses_triton_on_cuda():
+def test_auto_dispatch_on_cuda_uses_the_cuda_fp8_store_and_triton_otherwise():
     kernels.kernel_mode.cache_clear()
-    assert kernels.implementation("store_owned_rows", DEV) == (
-        "torch" if kernels.kernel_mode() == "torch" else "triton"
-    )
+    forced = kernels.kernel_mode()
+    assert kernels.implementation("store_owned_rows", DEV) == ("torch" if forced == "torch" else "triton")
+    assert kernels.implementation("store_owned_mla_fp8", DEV) == {"auto": "cuda"}.get(forced, forced)
+
+
+def test_cuda_fp8_store_refuses_bad_input_before_launching():
+    kv = torch.zeros(4, 576, dtype=torch.bfloat16, device=DEV)
+    shard = torch.zeros(4, 656, dtype=torch.uint8, device=DEV)
+    with pytest.raises(TypeError, match="kv must be bf16"):
+        cuda_fp8_store.store_owned_mla_fp8(shard, torch.arange(4, device=DEV), kv.float(), 0, 1, PAGE)
+    with pytest.raises(ValueError, match="slots must be 1-D with 4 entries"):
+        cuda_fp8_store.store_owned_mla_fp8(shard, torch.arange(3, device=DEV), kv, 0, 1, PAGE)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        cuda_fp8_store.store_owned_mla_fp8(shard.cpu(), torch.arange(4), kv.cpu(), 0, 1, PAGE)

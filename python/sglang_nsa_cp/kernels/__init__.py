@@ -1,10 +1,13 @@
 """Kernels of the shared-KV path, and the one place that picks their implementation.
 
 Each public function below has the signature and semantics of its plain-torch reference in
-`reference.py`; `triton_kernels.py` holds the Triton version of each.
+`reference.py`; `triton_kernels.py` holds the Triton version of each, `cuda_fp8_store.py` a CUDA
+version of the fp8 store (faster on GPUs, built on first use).
 
 Dispatch rule, per call, from the tensors' device and `SGLANG_NSA_CP_KERNELS`:
-- `auto` (default): Triton for CUDA tensors when triton imports; the reference otherwise. CPU
+- `auto` (default): for CUDA tensors the CUDA kernel where an op has one and it builds (else,
+  with one warning, Triton), Triton for the other ops when triton imports; the reference
+  otherwise. CPU
   tensors use the reference even under TRITON_INTERPRET=1 (the interpreter is far too slow for
   real work; tests call `triton_kernels` directly). If a Triton launch fails (compilation,
   resources, driver), the op warns once and uses the reference from then on.
@@ -49,6 +52,8 @@ KERNELS_ENV = "SGLANG_NSA_CP_KERNELS"
 KERNEL_MODES = ("auto", "triton", "torch")
 
 _failed: set[str] = set()  # ops whose Triton launch failed in auto mode
+_CUDA_OPS = ("store_owned_mla_fp8",)  # ops with a CUDA kernel (cuda_fp8_store.py)
+_cuda_unbuildable: dict[str, str] = {}  # op -> why its CUDA kernel could not be built
 
 
 @functools.cache
@@ -69,11 +74,33 @@ def _triton_kernels() -> ModuleType | ImportError:
     return triton_kernels
 
 
+def _cuda_kernel_builds(op: str, device: torch.device) -> bool:
+    """Whether `op` has a CUDA kernel that builds for `device`; warns once when it does not."""
+    if op not in _CUDA_OPS or op in _cuda_unbuildable:
+        return False
+    from sglang_nsa_cp.kernels import cuda_fp8_store
+
+    try:
+        cuda_fp8_store.build(device)
+    except Exception as exc:  # noqa: BLE001 - any build failure (no nvcc or ninja, compiler error) falls back
+        _cuda_unbuildable[op] = f"{type(exc).__name__}: {exc}"
+        warnings.warn(
+            f"sglang_nsa_cp.kernels.{op}: its CUDA kernel could not be built ({_cuda_unbuildable[op]}); "
+            "using the Triton kernel (slower, same bytes). Install nvcc and ninja to build it.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return False
+    return True
+
+
 def implementation(op: str, device: torch.device) -> str:
-    """'triton' or 'torch': what a call of `op` on tensors of `device` runs now."""
+    """'cuda', 'triton' or 'torch': what a call of `op` on tensors of `device` runs now."""
     mode = kernel_mode()
     if mode == "torch" or (mode == "auto" and (device.type != "cuda" or op in _failed)):
         return "torch"
+    if mode == "auto" and _cuda_kernel_builds(op, device):
+        return "cuda"
     module = _triton_kernels()
     if isinstance(module, ImportError):
         if mode == "triton":
@@ -85,8 +112,13 @@ def implementation(op: str, device: torch.device) -> str:
 
 
 def _run(op: str, device: torch.device, *args):
-    if implementation(op, device) == "torch":
+    impl = implementation(op, device)
+    if impl == "torch":
         return getattr(reference, op)(*args)
+    if impl == "cuda":
+        from sglang_nsa_cp.kernels import cuda_fp8_store
+
+        return getattr(cuda_fp8_store, op)(*args)
     triton_impl = getattr(_triton_kernels(), op)
     if kernel_mode() == "triton":
         return triton_impl(*args)
