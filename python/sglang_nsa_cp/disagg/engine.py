@@ -23,7 +23,12 @@ class EngineConfig:
     metadata_server: str = "P2PHANDSHAKE"
     protocol: str = "tcp"  # "rdma" on GPU nodes
     device_name: str = ""  # RDMA NICs, e.g. "mlx5_0,mlx5_1"; "" lets Mooncake choose
-    max_batch_entries: int = 0  # split batched writes into at most this many entries; 0: one batch
+    # Split batched writes into at most this many entries (0: one batch). Mooncake's TCP transport
+    # queues at most 2048 transfers per peer (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER): past that,
+    # batch_transfer_sync_write returns -1 (measured with mooncake-transfer-engine-non-cuda; two
+    # concurrent batches of 1024 and 1025 already fail). A 4096-page request with rotating owners
+    # needs 8192 entries per rank; 1024 leaves room for a second sender on the same engine.
+    max_batch_entries: int = 1024
 
 
 class MooncakeEngine:
