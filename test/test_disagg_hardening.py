@@ -498,38 +498,38 @@ def test_one_sender_shared_by_two_threads_commits_every_request(engine):
         rx.close()
 
 
-def test_checksum_verification_does_not_stall_other_requests(engine):
+def test_checksum_verification_does_not_stall_other_requests(engine, monkeypatch):
     """Finding: the checksum of a 2048-page request ran on the serving thread under its lock,
-    stalling another request's poll() by 1 s. Now it runs on the verifier thread, off the lock."""
+    stalling another request's poll() by 1 s. Now it runs on the verifier thread, off the lock.
+    The checksum is slowed to 1 s here (as on a busy GPU), so the test does not depend on load."""
+    import sglang_nsa_cp.disagg.receiver as receiver_module
+
+    def slow_checksums(buffers, pages):
+        time.sleep(1.0)
+        return page_checksums(buffers, pages)
+
+    monkeypatch.setattr(receiver_module, "page_checksums", slow_checksums)
     big_pages = 2048
-    # 2048 pages of 37 KiB (8 layers of 4 KiB latent + 528 B index): about 1 s of checksums here.
-    rx = OwnedPageReceiver(make_pool(big_pages + 8, seed=None, layers=8, kv_row=1024), engine=engine,
-                           secret=SECRET, timeout_s=60)
-    shard = make_pool(big_pages, seed=3, layers=8, kv_row=1024)
-    sender = OwnedPageSender(shard, 0, 1, engine=engine, secret=SECRET, timeout_s=60)
+    rx = receiver(engine, num_pages=big_pages + 8, timeout_s=60)
+    group = Group(engine, 1, local_pages=big_pages)
     try:
-        start = time.monotonic()
-        page_checksums(rx.buffers, list(range(big_pages)))
-        verify_s = time.monotonic() - start
-        other = new_nonce()
-        rx.expect("other", 1, 1, nonce=other)
+        rx.expect("other", 1, 1, nonce=new_nonce())
         nonce = new_nonce()
         rx.expect("big", big_pages, 1, nonce=nonce)
-        sender.send(rx.address, "big", list(range(big_pages)), nonce=nonce)
-        worst, polls = 0.0, 0
+        group.senders[0].send(rx.address, "big", list(range(big_pages)), nonce=nonce)
+        worst, polls, start = 0.0, 0, time.monotonic()
         while isinstance(rx.poll("big"), Pending):
             t = time.monotonic()
             rx.poll("other")
             worst, polls = max(worst, time.monotonic() - t), polls + 1
             time.sleep(0.005)
+        window = time.monotonic() - start
         assert isinstance(rx.poll("big"), Committed)
-        print(f"\nchecksum of {big_pages} pages: {verify_s:.3f} s; worst of {polls} poll()s meanwhile: "
-              f"{worst * 1000:.1f} ms")
-        assert polls >= 10, f"only {polls} polls while verifying"
-        assert verify_s > 0.3, f"the verify took only {verify_s:.3f} s: too short to show a stall"
-        assert worst < verify_s / 3, f"poll() stalled {worst:.3f} s during a {verify_s:.3f} s verify"
+        print(f"\n{polls} poll()s during a {window:.2f} s verify of {big_pages} pages; worst {worst * 1000:.1f} ms")
+        assert window >= 0.9 and polls >= 10, (window, polls)
+        assert worst < 0.2, f"poll() stalled {worst:.3f} s during the verify"
     finally:
-        sender.close()
+        group.close()
         rx.close()
 
 
@@ -602,3 +602,34 @@ def test_no_thread_or_fd_leaks_after_30_open_close_cycles(engine):
     after = _threads_and_fds()
     print(f"\nthreads, fds before {before}, after 30 cycles {after}")
     assert after[0] <= before[0] and after[1] <= before[1], f"before {before}, after {after}"
+
+
+def test_a_flood_of_early_wants_is_bounded_and_absorbed_in_linear_time(engine):
+    """Finding: the waiting list was unbounded and scanned on every message (10k small wants took
+    67 s to absorb). Now early messages are keyed by use, capped at max_early (then `busy`), and
+    expect() replays only its own."""
+    rx = receiver(engine, timeout_s=20, max_early=256)
+    flood = Raw(rx.address)
+    group = Group(engine, 2)
+    try:
+        assert type(flood.authenticate(0, 2, rx.buffers.layout())).__name__ == "Welcome"
+        start = time.monotonic()
+        for i in range(5000):
+            flood.send_msg(Want(f"w{i}", i + 1, 2, 4, 2))
+        nonce = new_nonce()  # a real request behind the flood
+        threads, errors = group.send_all(rx.address, "real", [0, 1, 2, 3], nonce)
+        dst = rx.expect("real", 4, 2, nonce=nonce)
+        join(threads, 60)
+        assert isinstance(rx.wait("real", timeout_s=30), Committed) and not errors
+        busy = 0
+        while busy < 5000 - 256 and (reply := flood.recv(timeout_s=5.0)) is not None:
+            busy += reply.code == "busy"
+        elapsed = time.monotonic() - start  # every want absorbed: the last one got its answer
+        print(f"\n5000 early wants absorbed and a real request committed: {elapsed:.2f} s; {busy} told busy")
+        assert len(rx._table.early) <= 256 and busy == 5000 - 256, (len(rx._table.early), busy)
+        assert elapsed < 20, f"{elapsed:.1f} s to absorb 5000 wants"
+        assert not wrong_positions(rx.buffers, group.shards, [0, 1, 2, 3], dst)
+    finally:
+        flood.close()
+        group.close()
+        rx.close()

@@ -310,7 +310,8 @@ def run_pd(
         KVBuffers(pool.latent, pool.index, ps), engine=engine, engine_config=engine_config, timeout_s=timeout_s,
         secret=secret,
     )
-    report: dict = {"cp_size": s.cp_size, "decode_steps": decode_steps, "decode_pool_pages": pool_pages}
+    report: dict = {"cp_size": s.cp_size, "decode_steps": decode_steps, "decode_pool_pages": pool_pages,
+                    "keyed": secret is not None}
     try:
         nonces = {key: new_nonce() for key in keys}
         dst = {key: rx.expect(key, _pages(n, ps), s.cp_size, nonce=nonces[key]) for key, n in lengths.items()}

@@ -77,6 +77,7 @@ class TransferTable:
         self.fences: dict[tuple, Fence] = {}
         self.outbox: list[tuple[bytes, protocol._Msg]] = []
         self.to_verify: list[Use] = []
+        self._early_full = False
 
     @property
     def num_fenced_pages(self) -> int:
@@ -270,13 +271,18 @@ class TransferTable:
         early = self.early.get(key)
         if early is None:
             if len(self.early) >= self.max_early:
-                logger.warning("dropping a %s for request %r: %d requests already wait for expect()",
-                               kind, msg.request_id, self.max_early)
+                self.stats.dropped += 1
+                if not self._early_full:  # once per episode: a flood must not flood the log too
+                    self._early_full = True
+                    logger.warning("dropping messages of requests the decode has not expected: %d already "
+                                   "wait for expect() (max_early); the first was a %s for request %r",
+                                   self.max_early, kind, msg.request_id)
                 if kind == "want":
                     self._reject(identity, msg, f"the decode holds {self.max_early} requests it has not "
                                  "expected yet; retry later", code="busy")
                 return
             early = self.early[key] = Early(now)
+            self._early_full = False
         early.messages[(rank, kind)] = (identity, msg)  # a repeat replaces the earlier one
 
     def _acknowledge(self, key: tuple, rank: int, msg) -> None:
