@@ -1,5 +1,5 @@
 """The standalone owned-page protocol (disagg/) under hostile peers, late writers, reused ids and
-restarts: one regression test per finding of issue 17, plus load. CPU only, about 40 s on 2 busy
+restarts: one regression test per finding of issue 17, plus load. CPU only, about 20 s on 2 busy
 cores. Everything runs in this process: the receiver, senders (threads where they must run at
 once) and raw ZMQ sockets that play an attacker, over one Mooncake TCP engine on 127.0.0.1.
 
@@ -632,4 +632,23 @@ def test_a_flood_of_early_wants_is_bounded_and_absorbed_in_linear_time(engine):
     finally:
         flood.close()
         group.close()
+        rx.close()
+
+
+def test_a_rank_that_gave_up_waiting_does_not_fence_the_pages(engine):
+    """A rank whose want timed out (the decode expected the request late) tells the decode, so the
+    destinations handed out afterwards do not wait for a manifest that will never come."""
+    rx = receiver(engine, timeout_s=20)
+    impatient = OwnedPageSender(make_pool(16, seed=1), 0, 2, engine=engine, secret=SECRET, timeout_s=1.0)
+    try:
+        nonce = new_nonce()
+        with pytest.raises(TransferError, match="no answer from the decode"):
+            impatient.send(rx.address, "late", [0, 1, 2, 3], nonce=nonce)
+        rx.expect("late", 4, 2, nonce=nonce)  # replays the want (given the pages) and the abort
+        status = rx.wait("late", timeout_s=5)
+        assert isinstance(status, Failed) and "rank 0 aborted: rank 0 gave up" in status.reason, status
+        rx.release("late")
+        assert rx.num_fenced_pages == 0 and rx.allocator.num_free == rx.buffers.num_pages
+    finally:
+        impatient.close()
         rx.close()

@@ -177,24 +177,8 @@ class OwnedPageReceiver:
                         with self._lock:
                             self._handle(frames[0], frames[1:], time.monotonic())
                 now = time.monotonic()
-                with self._lock:
-                    self._table.expire(now)
-                    self._expire_peers(now)
-                    probes = self._table.probes() if now >= next_probe else []
-                    outbox = [(ident, self._pack(ident, msg)) for ident, msg in self._table.outbox]
-                    self._table.outbox.clear()
-                    for use in self._table.to_verify:
-                        self._verify_queue.put(use)
-                    self._table.to_verify.clear()
-                for identity, frames in outbox:
-                    self._send(sock, identity, frames)
-                if probes:
+                if self._tick(sock, now, probe=now >= next_probe):
                     next_probe = now + self._probe_interval_s
-                    dead = [(key, rank) for ident, msg, key, rank in probes
-                            if not self._send(sock, ident, self._pack(ident, msg))]
-                    with self._lock:
-                        for key, rank in dead:
-                            self._table.declare_dead(key, rank)
         except BaseException as e:  # a bug, never a peer's message: surfaced by the next public call
             self._thread_error = e
             bound.set()
@@ -202,6 +186,28 @@ class OwnedPageReceiver:
         finally:
             sock.close()
             self._context.term()
+
+    def _tick(self, sock: zmq.Socket, now: float, probe: bool) -> bool:
+        """Deadlines, then what the bookkeeping queued: replies, verifies and (when `probe`) the
+        cancels that find out whether the ranks fenced pages wait for are still connected.
+        Sends happen outside the lock. Returns whether it probed."""
+        with self._lock:
+            self._table.expire(now)
+            self._expire_peers(now)
+            probes = self._table.probes() if probe else []
+            outbox = [(ident, self._pack(ident, msg)) for ident, msg in self._table.outbox]
+            self._table.outbox.clear()
+            for use in self._table.to_verify:
+                self._verify_queue.put(use)
+            self._table.to_verify.clear()
+        for identity, frames in outbox:
+            self._send(sock, identity, frames)
+        dead = [(key, rank) for ident, msg, key, rank in probes if not self._send(sock, ident, self._pack(ident, msg))]
+        if dead:
+            with self._lock:
+                for key, rank in dead:
+                    self._table.declare_dead(key, rank)
+        return bool(probes)
 
     def _verify_loop(self) -> None:
         try:
@@ -289,8 +295,8 @@ class OwnedPageReceiver:
         """False when the peer's connection is gone (ROUTER_MANDATORY)."""
         try:
             sock.send_multipart([identity, *frames], zmq.NOBLOCK)
-        except zmq.Again:
-            logger.warning("dropping a reply: the connection's send queue is full")
+        except zmq.Again:  # its queue is full: alive but not reading (a stalled rank's resent cancels)
+            logger.debug("not sent to connection %s: its send queue is full", identity.hex()[:16])
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise

@@ -197,6 +197,10 @@ class OwnedPageSender:
                     if attempt:
                         raise TransferError(f"decode at {peer.address} keeps forgetting this rank: {e}") from None
                     self.connect(peer.address)
+                except TransferError as e:
+                    # Destinations that come after this rank gave up must not wait for its manifest.
+                    self._abort(peer, request_id, nonce, f"rank {self.rank} gave up: {e}", drained=True)
+                    raise
             raise AssertionError("unreachable")
 
     def checksum(self, owned: OwnedPages) -> list[int]:
@@ -210,10 +214,14 @@ class OwnedPageSender:
         if not owned.positions:
             return SendResult(request_id, 0, 0, 0, 0, 0.0)
         with self._lock:
-            self._check_destination(peer, owned, dst_pages)
+            try:
+                self._check_destination(peer, owned, dst_pages)
+            except ValueError as e:
+                self._abort(peer, request_id, nonce, f"rank {self.rank} wrote nothing: {e}", drained=True)
+                raise
             self._absorb(peer)
             if (reason := self._cancelled.get((request_id, nonce))) is not None:
-                self._send(peer, Abort(request_id, nonce, "cancelled before any byte was written", drained=True))
+                self._abort(peer, request_id, nonce, "cancelled before any byte was written", drained=True)
                 raise TransferError(f"the decode cancelled request {request_id!r}: {reason}")
             dst = [dst_pages[k] for k in owned.positions]
             batch = build_transfer_batch(self.buffers, peer.dst_ptrs, coalesce_runs(owned.local_pages, dst))
@@ -222,8 +230,10 @@ class OwnedPageSender:
             except TransferError as e:
                 # A failed sync write may still have slices in flight: not drained. The next
                 # request handshakes again (the decode may have restarted: new session, pointers).
+                self._abort(peer, request_id, nonce, str(e), drained=False)
                 peer.fresh = False
-                self._send(peer, Abort(request_id, nonce, protocol.cut(str(e)), drained=False))
+                logger.error("rank %d: request %r failed mid-write; the decode keeps its pages fenced until "
+                             "this sender closes (nothing shows the write drained)", self.rank, request_id)
                 raise
             result = SendResult(request_id, len(owned.positions), batch.nbytes, len(batch),
                                 num_batches, time.monotonic() - start)
@@ -284,6 +294,10 @@ class OwnedPageSender:
             raise ValueError(
                 f"destination pages {bad[:8]} outside the decode pool of {peer.num_pages}"
             )
+
+    def _abort(self, peer: DecodePeer, request_id, nonce: int, reason: str, drained: bool) -> None:
+        if peer.session_id:  # a handshake finished once: keyed with that session's key
+            self._send(peer, Abort(request_id, nonce, protocol.cut(reason), drained=drained))
 
     def _send(self, peer: DecodePeer, msg) -> None:
         peer.socket.send_multipart(protocol.pack(peer.key, TO_DECODE, msg))
