@@ -822,35 +822,38 @@ def test_decode_hooks_commit_only_full_coverage():
     assert not mgr.__dict__[hooks._MANIFESTS] and not mgr.__dict__[hooks._INBOX]
 
 
-def test_keyed_decode_commits_only_rooms_with_keyed_manifests_and_survives_hostile_frames():
+def test_decode_thread_survives_hostile_manifest_frames_keyed_or_not():
     """Findings: anyone who reaches the decode could forge a commit; a hostile frame raised in the
-    decode thread. With the secret, every Success must carry a manifest keyed to its room and
-    rank; a hostile frame fails its room with a bounded reason, and the next room commits."""
+    decode thread. With the secret, a Success whose manifest is missing or not keyed to its room
+    and rank is dropped as if it never came: a forged one neither commits nor fails the room, the
+    real one still commits it. Without the secret, a hostile frame fails its room with a bounded
+    reason. Either way the next room commits and nothing raises."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import encode_manifest
 
-    mgr = _decode_manager(secret=SECRET)
-    good = {r: encode_manifest(m, 1, r, SECRET) for r, m in
-            {0: _manifest(0, [0, 2], [10, 12]), 1: _manifest(1, [1, 3], [11, 13])}.items()}  # fmt: skip
-    _expect(mgr, 1)
-    for rank, frame in good.items():
-        _deliver(mgr, 1, rank, frame)
-    assert mgr.request_status[1] == KVPoll.Success, mgr.failure_records.get(1)
-    _expect(mgr, 2)  # two bare Success statuses, as a stock (or forged) prefill sends them
-    _deliver(mgr, 2, 0, None)
-    _deliver(mgr, 2, 1, None)
-    assert mgr.request_status[2] == KVPoll.Failed and "without an owned-page manifest" in mgr.failure_records[2]
-    for i, (name, frame) in enumerate(_hostile_manifest_frames().items()):
-        room = 10 + i
-        _expect(mgr, room)
-        _deliver(mgr, room, 0, encode_manifest(_manifest(0, [0, 2], [10, 12]), room, 0, SECRET))
-        start = time.monotonic()
-        _deliver(mgr, room, 1, frame)
-        assert time.monotonic() - start < 0.2, name
-        assert mgr.request_status[room] == KVPoll.Failed, name
-        assert "malformed manifest from prefill rank 1" in mgr.failure_records[room], (name, mgr.failure_records[room])
-    _expect(mgr, 99)
-    for rank, m in {0: _manifest(0, [0, 2], [10, 12]), 1: _manifest(1, [1, 3], [11, 13])}.items():
-        _deliver(mgr, 99, rank, encode_manifest(m, 99, rank, SECRET))
-    assert mgr.request_status[99] == KVPoll.Success
+    good = {0: _manifest(0, [0, 2], [10, 12]), 1: _manifest(1, [1, 3], [11, 13])}
+    for secret in (SECRET, None):
+        mgr = _decode_manager(secret=secret)
+        hostile = dict(_hostile_manifest_frames(), **{"no manifest frame": None})
+        for i, (name, frame) in enumerate(hostile.items()):
+            room = 10 + i
+            _expect(mgr, room)
+            _deliver(mgr, room, 0, encode_manifest(good[0], room, 0, secret))
+            start = time.monotonic()
+            _deliver(mgr, room, 1, frame)  # forged, as rank 1
+            assert time.monotonic() - start < 0.2, name
+            if secret is None and frame is None:
+                assert mgr.request_status[room] == KVPoll.Failed and "without an owned-page manifest" in mgr.failure_records[room]
+                continue
+            if secret is None:  # every one of them is malformed for room 10 + i (they name room 9)
+                assert mgr.request_status[room] == KVPoll.Failed, name
+                assert "malformed manifest from prefill rank 1" in mgr.failure_records[room], (name, mgr.failure_records[room])
+                continue
+            assert mgr.request_status[room] == KVPoll.WaitingForInput, (name, mgr.failure_records.get(room))
+            _deliver(mgr, room, 1, encode_manifest(good[1], room, 1, secret))  # the real rank 1
+            assert mgr.request_status[room] == KVPoll.Success, (name, mgr.failure_records.get(room))
+        _expect(mgr, 99)
+        for rank, m in good.items():
+            _deliver(mgr, 99, rank, encode_manifest(m, 99, rank, secret))
+        assert mgr.request_status[99] == KVPoll.Success

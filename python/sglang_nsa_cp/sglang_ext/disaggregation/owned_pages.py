@@ -216,23 +216,27 @@ def encode_manifest(manifest: dict, room: int, prefill_rank: int, secret: Option
     return MANIFEST_TAG + bytes([len(mac)]) + mac + body
 
 
+class UnauthenticatedManifest(ValueError):
+    """A manifest frame that did not get as far as a valid MAC (size, shape or key)."""
+
+
 def decode_manifest(frame: bytes, *, room: int, prefill_rank: int, secret: Optional[bytes], max_pages: int) -> dict:
-    """The manifest of `frame` as a dict; ValueError (bounded text) names what is wrong. The
-    frame's size is checked against `max_pages` (the decode's own request) and its MAC before
-    anything parses it."""
+    """The manifest of `frame` as a dict; ValueError (bounded text) names what is wrong,
+    UnauthenticatedManifest when the frame fails before its MAC checked out. The frame's size is
+    checked against `max_pages` (the decode's own request) and its MAC before anything parses it."""
     if not frame.startswith(MANIFEST_TAG):
-        raise ValueError("not an owned-page manifest frame")
+        raise UnauthenticatedManifest("not an owned-page manifest frame")
     limit = max_manifest_bytes(max_pages)
     if len(frame) > limit:
-        raise ValueError(f"a manifest frame of {len(frame)} B, more than the {limit} B a request of "
-                         f"{max_pages} pages needs")
+        raise UnauthenticatedManifest(f"a manifest frame of {len(frame)} B, more than the {limit} B a "
+                                      f"request of {max_pages} pages needs")
     head = len(MANIFEST_TAG)
     mac_len = frame[head] if len(frame) > head else -1
     if mac_len not in (0, auth.MAC_BYTES):
-        raise ValueError(f"a manifest frame whose MAC is {mac_len} B long (0 or {auth.MAC_BYTES} expected)")
+        raise UnauthenticatedManifest(f"a manifest frame whose MAC is {mac_len} B long (0 or {auth.MAC_BYTES} expected)")
     mac, body = frame[head + 1 : head + 1 + mac_len], frame[head + 1 + mac_len :]
     if (problem := auth.verify(secret, _label(room, prefill_rank), body, mac)) is not None:
-        raise ValueError(f"manifest: {problem}")
+        raise UnauthenticatedManifest(f"manifest: {problem}")
     try:
         m = _DECODER.decode(body)
     except msgspec.DecodeError as e:

@@ -20,8 +20,9 @@ instead of shipping its own protocol beside SGLang's:
   index-K pages), keyed with SGLANG_NSA_CP_PD_SECRET when set (`disagg/auth.py`). A decode with
   this plugin (no flag needed) commits a room only when the N manifests cover every position
   exactly once from its owner, counted against its own destination pages and CP size (recorded
-  when it sends them), and names the silent ranks when a room times out; with the secret it
-  commits only rooms whose every Success carries a manifest keyed to that room and rank. A
+  when it sends them), and names the silent ranks when a room times out; with the secret, a
+  Success whose manifest is missing or not keyed to that room and rank is dropped as if it never
+  came (logged at most every 10 s), so a forged one neither commits nor fails the room. A
   manifest frame is parsed only for a room the decode asked for, only up to the size that room
   needs, and never raises into SGLang's decode thread: what is wrong becomes the room's failure
   reason. The decode's status socket refuses frames past that size for its largest request
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import numpy as np
 
@@ -48,6 +50,7 @@ from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import (
     MANIFEST_TAG,
     OwnedPageLedger,
     RoomExpectation,
+    UnauthenticatedManifest,
     decode_manifest,
     encode_manifest,
     max_manifest_bytes,
@@ -238,13 +241,34 @@ def read_manifest(original, self, msg):
     room, _, prefill_rank, _ = parsed
     expected = _state(self, _EXPECTED).get(room)
     if expected is not None and frame.startswith(MANIFEST_TAG):
+        keyed = self.__dict__.get(_SECRET) is not None
         try:
             manifest = decode_manifest(frame, room=room, prefill_rank=prefill_rank,
                                        secret=self.__dict__.get(_SECRET), max_pages=expected.max_pages)
+        except UnauthenticatedManifest as e:
+            manifest = _Unauthenticated(protocol.cut(str(e), 300)) if keyed else protocol.cut(str(e), 300)
         except ValueError as e:
             manifest = protocol.cut(str(e), 300)
         _state(self, _INBOX)[(room, prefill_rank)] = manifest
     return parsed
+
+
+class _Unauthenticated(str):
+    """Why a status's manifest frame did not authenticate: with the secret, such a status is
+    dropped as if it never came (a forged Success neither commits nor fails a room)."""
+
+
+_dropped_log = {"last": 0.0, "count": 0}
+
+
+def _log_dropped(room: int, prefill_rank: int, why: str) -> None:
+    _dropped_log["count"] += 1
+    now = time.monotonic()
+    if now - _dropped_log["last"] >= 10:  # at most one line per 10 s, however many are forged
+        _dropped_log["last"] = now
+        logger.warning("dropping a Success status of room %s from prefill rank %s (%d dropped so far): %s; "
+                       "with SGLANG_NSA_CP_PD_SECRET set here, every prefill must run the plugin with the "
+                       "same secret", room, prefill_rank, _dropped_log["count"], why)
 
 
 def verify_before_success(original, self, *, bootstrap_room, status, prefill_rank, failure_reason=None):
@@ -268,6 +292,8 @@ def verify_before_success(original, self, *, bootstrap_room, status, prefill_ran
     current = self.request_status.get(bootstrap_room)
     if status != KVPoll.Success or current in (None, KVPoll.Success, KVPoll.Failed) or responders is None:
         return apply(status, failure_reason)  # not a Success, or the room is already decided
+    if keyed and (manifest is None or isinstance(manifest, _Unauthenticated)):
+        return _log_dropped(bootstrap_room, prefill_rank, manifest or "no owned-page manifest frame")
     if manifest is not None or keyed:
         room_manifests = rooms.setdefault(bootstrap_room, {})
         if prefill_rank in room_manifests:
