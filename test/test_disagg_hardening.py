@@ -94,7 +94,7 @@ class Group:
             except (TransferError, ValueError) as e:
                 errors[r] = e
 
-        threads = [threading.Thread(target=run, args=(r,)) for r in (ranks or range(self.cp_size))]
+        threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in (ranks or range(self.cp_size))]
         for t in threads:
             t.start()
         return threads, errors
@@ -252,6 +252,29 @@ def test_authenticated_rank_with_absurd_claims_fails_only_its_request_fast(engin
             assert isinstance(status, Failed) and needle in status.reason, status
         assert time.monotonic() - start < 3.0, "the decode was kept busy"
         rx.release("absurd")
+        # Seeded fuzz of well-typed messages with random values, some for expected uses.
+        rng = random.Random(3)
+        nonces = {f"f{i}": new_nonce() for i in range(4)}
+        for rid, n in nonces.items():
+            rx.expect(rid, 4, 2, nonce=n)
+        for _ in range(300):
+            rid = rng.choice([*nonces, "nobody"])
+            nonce = nonces.get(rid, 1) if rng.random() < 0.8 else rng.randrange(1, 1 << 62)
+            pages = tuple(rng.choice([0, 1, 3, 4, 7, 2**40, 2**63 - 1]) for _ in range(rng.randrange(0, 6)))
+            rogue.send_msg(rng.choice([
+                Want(rid, nonce, rng.choice([1, 2, 3]), rng.choice([1, 4, 5]), rng.randrange(0, 6)),
+                Manifest(rid, nonce, 1, rng.choice([1, 2]), rng.choice([4, 1]), pages, pages, pages[::-1],
+                         rng.randrange(1 << 40), rng.randrange(99)),
+                protocol.Abort(rid, nonce, "x" * rng.randrange(3000), rng.random() < 0.5),
+            ]))
+        time.sleep(0.5)
+        for rid in nonces:
+            assert not isinstance(rx.poll(rid), Committed), rid  # rank 0 never sent a manifest
+            rx.release(rid)
+        rogue.close()  # its connection closes: whatever it was given is no longer fenced
+        deadline = time.monotonic() + 5
+        while rx.num_fenced_pages and time.monotonic() < deadline:
+            time.sleep(0.05)
         commit(rx, group, "after-absurd", list(range(6)))
         rx.release("after-absurd")
         assert rx.num_fenced_pages == 0 and rx.allocator.num_free == rx.buffers.num_pages
@@ -483,7 +506,7 @@ def test_one_sender_shared_by_two_threads_commits_every_request(engine):
                 errors.append(f"{rid}: {e!r}")
 
     try:
-        threads = [threading.Thread(target=run, args=(t,)) for t in range(2)]
+        threads = [threading.Thread(target=run, args=(t,), daemon=True) for t in range(2)]
         for t in threads:
             t.start()
         join(threads, 60)
@@ -553,7 +576,7 @@ def test_load_200_concurrent_requests_and_a_4096_page_request(engine):
                 except (TransferError, ValueError) as e:
                     errors.append(f"{rid}: {e}")
 
-        threads = [threading.Thread(target=run, args=(r, part)) for r in range(2) for part in range(2)]
+        threads = [threading.Thread(target=run, args=(r, part), daemon=True) for r in range(2) for part in range(2)]
         for t in threads:
             t.start()
         join(threads, 120)

@@ -256,6 +256,8 @@ class OwnedPageReceiver:
             reason = f"prefill speaks protocol version {hello.version}, this decode {protocol.VERSION}"
             self._table.outbox.append((identity, Reject("version", reason)))
             return
+        if hello.rank >= hello.cp_size:
+            return self._drop(identity, f"hello from rank {hello.rank} of a CP group of {hello.cp_size}")
         self._peers.pop(identity, None)
         while len(self._peers) >= self._max_peers:
             self._peers.popitem(last=False)  # least recently heard; it will be told to say hello again
