@@ -5,9 +5,9 @@ transfer -> greedy decode on a non-CP decode instance, checked against the singl
     ------------------------------------             ------------------------------
     shared-KV CP prefill of each chunk               pool = KVStore.replicated(...)   (cp_size 1)
     (KVStore shard, SharedCPKV, prefill_cp)          rx = OwnedPageReceiver(pool's buffers)
-    after a request's last chunk:                    rx.expect(request, pages, N)  -> dst pages
+    after a request's last chunk:                    rx.expect(request, pages, N, nonce) -> dst pages
       OwnedPageSender.send(rx.address, request,  ->  rx.wait(request): Committed
-                           its logical pages)        DecodeKV.adopt(request, dst pages, length)
+                           its logical pages, nonce) DecodeKV.adopt(request, dst pages, length)
     first token = argmax(last-token logits)      ->  greedy decode_step_pd(...) x steps
 
 Every message between them is keyed with a shared secret: SGLANG_NSA_CP_PD_SECRET when set, else
