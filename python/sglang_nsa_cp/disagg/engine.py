@@ -28,10 +28,10 @@ class EngineConfig:
     protocol: str = "tcp"  # "rdma" on GPU nodes
     device_name: str = ""  # RDMA NICs, e.g. "mlx5_0,mlx5_1"; "" lets Mooncake choose
     # Split batched writes into at most this many entries (0: one batch). Mooncake's TCP transport
-    # queues at most 2048 transfers per peer (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER): past that,
-    # batch_transfer_sync_write returns -1 (measured with mooncake-transfer-engine-non-cuda; two
-    # concurrent batches of 1024 and 1025 already fail). A 4096-page request with rotating owners
-    # needs 8192 entries per rank; 1024 leaves room for a second sender on the same engine.
+    # takes about 2048 transfers in flight per peer by default: past that batch_transfer_sync_write
+    # returns -1 (measured with mooncake-transfer-engine-non-cuda: one batch of 2049, or two
+    # concurrent ones of 2048; MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER=16384 lifts it). A 4096-page
+    # request with rotating owners needs 8192 entries per rank; 1024 leaves room for a second sender.
     max_batch_entries: int = 1024
 
 
