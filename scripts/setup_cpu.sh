@@ -23,7 +23,7 @@ LOG=$VENV/setup.log
 mkdir -p $VENV
 : > "$LOG"
 exec 3>&1 4>&2 >>"$LOG" 2>&1
-STEPS=8
+STEPS=9
 step_no=0
 step_start=$SECONDS
 end_step() { if [ "$step_no" -gt 0 ]; then printf ' %d s\n' $((SECONDS - step_start)) >&3; fi; }
@@ -72,6 +72,12 @@ $PIP orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic
      setproctitle fastapi uvicorn uvloop
 step "SGLang 0.5.23 (no dependencies)"
 $PIP --no-deps sglang==0.5.23 compressed-tensors==0.18.0
+step "what SGLang's server adds: jsonschema, xgrammar, sglang-router"
+# What `python -m sglang.launch_server` adds on top (test_sglang_server_pd.py): the HTTP server's
+# jsonschema and xgrammar (its default grammar backend; --no-deps: it pulls torch), and SGLang's
+# PD router (sglang-router: the Rust router its own PD test fixtures launch).
+$PIP jsonschema==4.26.0
+$PIP --no-deps xgrammar==0.2.7 sglang-router==0.3.2
 step "Mooncake transfer engine (non-CUDA)"
 $PIP mooncake-transfer-engine-non-cuda
 step "torchvision stand-in"

@@ -103,7 +103,7 @@ def _replace_kernels() -> None:
     from sglang.srt.layers.attention.dsa import dsa_indexer
     from sglang.srt.layers.attention.dsa import utils as dsa_utils
 
-    from sglang_model_harness import hadamard_reference
+    from sglang_cpu_stand_ins import hadamard_reference
 
     hadamard.hadamard_transform = hadamard_reference  # JIT fast-hadamard-transform
     dsv4.get_paged_mqa_logits_metadata = lambda *a, **k: None  # the torch paged logits ignore it
@@ -128,7 +128,8 @@ def build_model(sa, seed: int = 0):
     from sglang.srt.models.deepseek_v2 import DeepseekV2AttentionMLA, DeepseekV32ForCausalLM
     from sglang.srt.models.glm4_moe import GlmMoeDsaForCausalLM
 
-    from sglang_model_harness import _rope_native_any_rank, random_checkpoint
+    from sglang_cpu_stand_ins import _rope_native_any_rank
+    from sglang_model_harness import random_checkpoint
 
     mc = ModelConfig.from_server_args(sa)
     cfg = json.load(open(os.path.join(sa.model_path, "config.json")))

@@ -1,31 +1,25 @@
 """Drive SGLang 0.5.23's own DSA model forward (`DeepseekV32ForCausalLM`) on CPU.
 
 Used by test_sglang_model_forward.py; see docs/sglang_cpu_forward.md for what is SGLang's own
-code and what is replaced (and why). Every function here runs inside one rank process (spawned by
-`sglang_nsa_cp.comm.run_ranks`), after TRITON_INTERPRET=1 and SGLang's torch-fallback switches
-are set (`ENV`).
+code and what is replaced (and why). The CPU stand-ins themselves live in sglang_cpu_stand_ins.py
+(shared with the real-server test's plugin). Every function here runs inside one rank process
+(spawned by `sglang_nsa_cp.comm.run_ranks`), after TRITON_INTERPRET=1 and SGLang's torch-fallback
+switches are set (`ENV`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
-import types
 from types import SimpleNamespace
 from unittest import mock
 
+import sglang_cpu_stand_ins as stand_ins
 import torch
 from paged_requests import PagedRequests
 
 PAGE = 64
-# SGLang's own CPU fallbacks: torch fp8 (paged) MQA logits, unfused torch top-k.
-ENV = {
-    "TRITON_INTERPRET": "1",
-    "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",
-    "SGLANG_DSA_FUSE_TOPK": "0",
-    "TORCHDYNAMO_DISABLE": "1",  # SGLang's @torch.compile helpers run eagerly (no C++ inductor build on 2 cores)
-}
+ENV = stand_ins.ENV
 
 # Tiny DeepSeek-V3.2: real DSA shapes where kernels fix them (kv_lora_rank 512 + rope 64 = the
 # 576-value latent row, index_head_dim 128, page 64), tiny elsewhere. first_k_dense_replace =
@@ -97,104 +91,6 @@ def write_checkpoint(path: str, cfg: dict = TINY_V32, seed: int = 0) -> str:
     return path
 
 
-# ---- replacements (each one listed in docs/sglang_cpu_forward.md) ---------------------------------
-
-
-def sparse_mla_reference(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
-    """Stands in for FlashMLA's `flash_mla_sparse_fwd` (CUDA only; SGLang has no torch path):
-    q [s_q, h, d_qk], kv [s_kv, 1, d_qk], indices [s_q, 1, topk] (-1 = unused) -> o [s_q, h, d_v]."""
-    assert attn_sink is None
-    idx = indices[:, 0].long()
-    valid = idx >= 0
-    if topk_length is not None:
-        valid &= torch.arange(idx.shape[1])[None, :] < topk_length.long()[:, None]
-    keys = kv[:, 0].float()[idx.clamp(min=0)]  # [s_q, topk, d_qk]
-    logits = torch.einsum("qhd,qkd->qhk", q.float(), keys) * sm_scale
-    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)
-    p = torch.exp(logits - lse[..., None]).nan_to_num(0.0)
-    o = torch.einsum("qhk,qkd->qhd", p, keys[..., :d_v])
-    return o.to(q.dtype), logits.amax(-1), lse
-
-
-def _rope_native_any_rank(rope):
-    """SGLang's own `DeepseekScalingRotaryEmbedding.forward_native`, called with [T, heads, dim]
-    operands: its neox branch (`cos.repeat(1, 1, 2)`) adds a leading dim and only broadcasts
-    right for 3-D inputs, while the indexer passes a 2-D key. (CUDA runs SGLang's rope kernel.)"""
-
-    def forward(positions, query, key, offsets=None):
-        t, d = positions.shape[0], rope.head_size
-        q, k = rope.forward_native(positions, query.reshape(t, -1, d), key.reshape(t, -1, d), offsets)
-        return q.reshape(query.shape), k.reshape(key.shape)
-
-    return forward
-
-
-def hadamard_reference(x, scale=1.0):
-    """Stands in for the `sglang::hadamard_transform` custom op (CUDA only): x @ H_n * scale with
-    the Sylvester-ordered Hadamard matrix over the last dim (the fast Walsh-Hadamard transform)."""
-    n = x.shape[-1]
-    h = torch.ones(1, 1, device=x.device)  # on x's device: the GPU harness uses this too
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (x.float() @ h * scale).to(x.dtype)
-
-
-def _patch_source(cls, name, old, new):
-    """Recompile SGLang's own `cls.name` with one CUDA-only line swapped (textual, checked)."""
-    import inspect
-    import textwrap
-
-    fn = getattr(cls, name)
-    src = textwrap.dedent(inspect.getsource(fn))
-    assert src.count(old) == 1, f"{cls.__name__}.{name}: {old!r} not found once"
-    src = src.replace(old, new)
-    namespace = {}
-    exec(compile(src, inspect.getsourcefile(fn), "exec"), fn.__globals__, namespace)
-    setattr(cls, name, namespace[name])
-
-
-class _SerialStream:
-    """CPU stand-in for a CUDA stream: CPU work is already in program order, so waits and events
-    are no-ops (SGLang's CP code overlaps its all-gathers on side streams)."""
-
-    def wait_stream(self, *a, **k):
-        pass
-
-    def wait_event(self, *a, **k):
-        pass
-
-    def record_event(self, *a, **k):
-        return _SerialEvent()
-
-    def synchronize(self):
-        pass
-
-
-class _SerialEvent:
-    def record(self, *a, **k):
-        pass
-
-    def wait(self, *a, **k):
-        pass
-
-    def synchronize(self):
-        pass
-
-
-def install_cuda_stream_stand_in():
-    import contextlib
-
-    torch.cuda.current_stream = lambda *a, **k: _SerialStream()
-    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
-
-
-def install_flash_mla_stand_in():
-    mod = types.ModuleType("sglang.kernels.ops.attention.flash_mla_interface")
-    mod.flash_mla_sparse_fwd = sparse_mla_reference
-    sys.modules[mod.__name__] = mod
-
-
 # ---- process setup ---------------------------------------------------------------------------------
 
 
@@ -202,14 +98,7 @@ def setup_process(rank: int, world: int, model_path: str, cp_size: int):
     """Publish ServerArgs, build SGLang's process groups (gloo) and the model with random weights."""
     for k, v in ENV.items():
         os.environ[k] = v
-    install_flash_mla_stand_in()
-    install_cuda_stream_stand_in()
-    from sglang.srt.distributed import parallel_state
-
-    parallel_state._is_cpu = True  # GroupCoordinator's CPU branch: torch.distributed collectives (gloo)
-    import sglang.kernels.ops.quantization.hadamard as hadamard
-
-    hadamard.hadamard_transform = hadamard_reference  # imported lazily by dsa_indexer.rotate_activation
+    stand_ins.install_process_stand_ins()
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import ServerArgs
@@ -221,7 +110,7 @@ def setup_process(rank: int, world: int, model_path: str, cp_size: int):
         kw.update(enable_prefill_cp=True, cp_strategy="interleave", attn_cp_size=cp_size)
     sa = ServerArgs(**kw)
     reset_context()
-    with mock.patch("torch.cuda.get_device_capability", lambda *a, **k: (9, 0)):  # resolution reads the SM
+    with mock.patch("torch.cuda.get_device_capability", lambda *a, **k: stand_ins.SM90):  # resolution reads the SM
         publish(sa, role="test", ranks=SpawnRanks(world_rank=rank))
     # torch.distributed is already up (gloo, from run_ranks): SGLang builds its groups on it.
     init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo")
@@ -234,42 +123,18 @@ def build_model(sa, seed: int = 0):
     docs/sglang_cpu_forward.md applied to its indexer and rope modules."""
     from safetensors.torch import load_file
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.layers.attention.dsa import dsa_indexer
-    from sglang.srt.layers.attention.dsa.dsa_indexer import Indexer
-    from sglang.srt.layers.rotary_embedding import base as rope_base
-    from sglang.srt.layers.rotary_embedding.rope_variant import DeepseekScalingRotaryEmbedding
     from sglang.srt.model_loader.utils import set_default_torch_dtype
     from sglang.srt.models.deepseek_v2 import DeepseekV32ForCausalLM
     from sglang.srt.models.glm4_moe import GlmMoeDsaForCausalLM
 
     mc = ModelConfig.from_server_args(sa)
-    # RotaryEmbedding.__init__ imports vllm's rope kernel on a platform that is neither CUDA nor
-    # SGLang's CPU engine; forward dispatch uses forward_native there anyway.
-    rope_base._is_cpu = True
     torch.manual_seed(seed)
     with set_default_torch_dtype(torch.bfloat16):  # as SGLang's model loader builds it
         arch = mc.hf_config.architectures[0]
         model = {c.__name__: c for c in (DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM)}[arch](mc.hf_config)
     weights = load_file(os.path.join(sa.model_path, "model.safetensors"))
     model.load_weights(iter(weights.items()))  # SGLang's loader (fuses q_a/kv_a, gate/up; post_load_weights)
-
-    dsa_indexer.can_use_dsa_fused_store = lambda *a: False  # SGLang's answer when its JIT store kernel cannot build
-    # DeepGEMM's paged-logits schedule (a CUDA JIT kernel here); the torch paged logits ignore it.
-    dsa_indexer.resolve_paged_mqa_logits_metadata_fn = lambda: (lambda *a, **k: None)
-    # forward_cuda's store + top-k branch is gated on the platform (set after __init__, which
-    # queries the CUDA SM count).
-    dsa_indexer._is_cuda = True
-    # The ragged prefill top-k sizes its logits chunks from the CUDA device's free memory.
-    _patch_source(Indexer, "_get_topk_ragged", 'assert device_index is not None, "q_fp8 must be on an indexed CUDA device"', "device_index = 0")
-    Indexer._get_mqa_logits_budget_bytes = lambda self, device_index: 1 << 30
-    for m in model.modules():
-        if isinstance(m, Indexer):  # the platform dispatch CUDA makes (its native path raises)
-            m._forward_method = m.forward_cuda
-            m.sm_count = 1  # resolve_num_sms() asks the CUDA device; only sizes the paged-logits schedule
-            # its non-CUDA branch: torch.mm(..., out_dtype=float32) exists on CUDA/XPU only
-            m._weights_proj_bf16_in_fp32_out = lambda x, m=m: m.weights_proj(x)[0].float()
-        if isinstance(m, DeepseekScalingRotaryEmbedding):
-            m._forward_method = _rope_native_any_rank(m)
+    stand_ins.patch_model(model)
     return mc, model
 
 
@@ -315,7 +180,7 @@ class Engine:
             req_to_token_pool=self.req_to_token_pool, is_draft_worker=False, hisparse_coordinator=None,
             kv_cache_dtype=torch.bfloat16, server_args=self.sa, model=self.model,
         )  # fmt: skip
-        with mock.patch("torch.cuda.get_device_capability", lambda *a, **k: (9, 0)):
+        with mock.patch("torch.cuda.get_device_capability", lambda *a, **k: stand_ins.SM90):
             self.backend = DeepseekSparseAttnBackend(runner)
         runner.attn_backend = self.backend
         self.runner = runner

@@ -1,0 +1,224 @@
+"""CPU stand-ins for the CUDA-only pieces of SGLang 0.5.23's DSA model path, and the test-only
+SGLang plugin that installs them in every process of a real server.
+
+Two users, one set of stand-ins:
+- `sglang_model_harness.py` drives SGLang's model forward directly in spawned ranks: it calls
+  `install_process_stand_ins()` before building the model and `patch_model(model)` after.
+- `register()` is the entry point of a test-only SGLang plugin (`sglang.srt.plugins` group, name
+  `cpu_stand_ins`), which `sglang_servers.py` exposes to server processes through a dist-info it
+  writes into a temporary folder on PYTHONPATH; it is never installed into the venv, so the
+  product plugin and every other test run without it.
+
+Every stand-in is listed, with its reason, in docs/sglang_cpu_forward.md (model path) and
+docs/sglang_cpu_server.md (server path). None of them touches `sglang_nsa_cp`, except that the
+server plugin relaxes the product plugin's `--device cuda` start-up requirement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.machinery
+import inspect
+import sys
+import textwrap
+import types
+
+import torch
+
+# SGLang's own CPU fallbacks: torch fp8 (paged) MQA logits, unfused torch top-k. Must be in the
+# environment before sglang (which imports triton) is imported.
+ENV = {
+    "TRITON_INTERPRET": "1",
+    "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",
+    "SGLANG_DSA_FUSE_TOPK": "0",
+    "TORCHDYNAMO_DISABLE": "1",  # SGLang's @torch.compile helpers run eagerly (no C++ inductor build on 2 cores)
+}
+SM90 = (9, 0)
+
+
+# ---- kernels SGLang has no CPU path for -----------------------------------------------------------
+
+
+def sparse_mla_reference(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+    """Stands in for FlashMLA's `flash_mla_sparse_fwd` (CUDA only; SGLang has no torch path):
+    q [s_q, h, d_qk], kv [s_kv, 1, d_qk], indices [s_q, 1, topk] (-1 = unused) -> o [s_q, h, d_v]."""
+    assert attn_sink is None
+    idx = indices[:, 0].long()
+    valid = idx >= 0
+    if topk_length is not None:
+        valid &= torch.arange(idx.shape[1])[None, :] < topk_length.long()[:, None]
+    keys = kv[:, 0].float()[idx.clamp(min=0)]  # [s_q, topk, d_qk]
+    logits = torch.einsum("qhd,qkd->qhk", q.float(), keys) * sm_scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    p = torch.exp(logits - lse[..., None]).nan_to_num(0.0)
+    o = torch.einsum("qhk,qkd->qhd", p, keys[..., :d_v])
+    return o.to(q.dtype), logits.amax(-1), lse
+
+
+def hadamard_reference(x, scale=1.0):
+    """Stands in for the `sglang::hadamard_transform` custom op (CUDA only): x @ H_n * scale with
+    the Sylvester-ordered Hadamard matrix over the last dim (the fast Walsh-Hadamard transform)."""
+    n = x.shape[-1]
+    h = torch.ones(1, 1, device=x.device)  # on x's device: the GPU harness uses this too
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (x.float() @ h * scale).to(x.dtype)
+
+
+def _rope_native_any_rank(rope):
+    """SGLang's own `DeepseekScalingRotaryEmbedding.forward_native`, called with [T, heads, dim]
+    operands: its neox branch (`cos.repeat(1, 1, 2)`) adds a leading dim and only broadcasts
+    right for 3-D inputs, while the indexer passes a 2-D key. (CUDA runs SGLang's rope kernel.)"""
+
+    def forward(positions, query, key, offsets=None):
+        t, d = positions.shape[0], rope.head_size
+        q, k = rope.forward_native(positions, query.reshape(t, -1, d), key.reshape(t, -1, d), offsets)
+        return q.reshape(query.shape), k.reshape(key.shape)
+
+    return forward
+
+
+def _patch_source(cls, name, old, new):
+    """Recompile SGLang's own `cls.name` with one CUDA-only line swapped (textual, checked)."""
+    fn = getattr(cls, name)
+    src = textwrap.dedent(inspect.getsource(fn))
+    assert src.count(old) == 1, f"{cls.__name__}.{name}: {old!r} not found once"
+    namespace = {}
+    exec(compile(src.replace(old, new), inspect.getsourcefile(fn), "exec"), fn.__globals__, namespace)
+    setattr(cls, name, namespace[name])
+
+
+class _SerialStream:
+    """CPU stand-in for a CUDA stream: CPU work is already in program order, so waits and events
+    are no-ops (SGLang's CP code overlaps its all-gathers on side streams)."""
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def record_event(self, *a, **k):
+        return _SerialEvent()
+
+    def synchronize(self):
+        pass
+
+
+class _SerialEvent:
+    def record(self, *a, **k):
+        pass
+
+    def wait(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+# ---- installation ---------------------------------------------------------------------------------
+
+
+def install_process_stand_ins():
+    """Module-level stand-ins, before the model is built (idempotent)."""
+    torch.cuda.current_stream = lambda *a, **k: _SerialStream()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    flash_mla = types.ModuleType("sglang.kernels.ops.attention.flash_mla_interface")
+    flash_mla.flash_mla_sparse_fwd = sparse_mla_reference
+    sys.modules[flash_mla.__name__] = flash_mla
+
+    from sglang.srt.distributed import parallel_state
+
+    parallel_state._is_cpu = True  # GroupCoordinator's CPU branch: torch.distributed collectives (gloo)
+    import sglang.kernels.ops.quantization.hadamard as hadamard
+
+    hadamard.hadamard_transform = hadamard_reference  # imported lazily by dsa_indexer.rotate_activation
+    from sglang.srt.layers.attention.dsa import dsa_indexer
+    from sglang.srt.layers.attention.dsa.dsa_indexer import Indexer
+    from sglang.srt.layers.rotary_embedding import base as rope_base
+
+    # RotaryEmbedding.__init__ imports vllm's rope kernel on a platform that is neither CUDA nor
+    # SGLang's CPU engine; forward dispatch uses forward_native there anyway.
+    rope_base._is_cpu = True
+    dsa_indexer.can_use_dsa_fused_store = lambda *a: False  # SGLang's answer when its JIT store kernel cannot build
+    # DeepGEMM's paged-logits schedule (a CUDA JIT kernel here); the torch paged logits ignore it.
+    dsa_indexer.resolve_paged_mqa_logits_metadata_fn = lambda: (lambda *a, **k: None)
+    # The ragged prefill top-k sizes its logits chunks from the CUDA device's free memory.
+    if not getattr(Indexer._get_topk_ragged, "_cpu_stand_in", False):
+        _patch_source(Indexer, "_get_topk_ragged", 'assert device_index is not None, "q_fp8 must be on an indexed CUDA device"', "device_index = 0")
+        Indexer._get_topk_ragged._cpu_stand_in = True
+    Indexer._get_mqa_logits_budget_bytes = lambda self, device_index: 1 << 30
+
+
+def patch_model(model):
+    """Per-module stand-ins on a built model (SGLang's `DeepseekV2ForCausalLM` or a subclass)."""
+    from sglang.srt.layers.attention.dsa import dsa_indexer
+    from sglang.srt.layers.attention.dsa.dsa_indexer import Indexer
+    from sglang.srt.layers.rotary_embedding.rope_variant import DeepseekScalingRotaryEmbedding
+
+    # forward_cuda's store + top-k branch is gated on the platform (set after __init__, which
+    # queries the CUDA SM count).
+    dsa_indexer._is_cuda = True
+    for m in model.modules():
+        if isinstance(m, Indexer):  # the platform dispatch CUDA makes (its native path raises)
+            m._forward_method = m.forward_cuda
+            m.sm_count = 1  # resolve_num_sms() asks the CUDA device; only sizes the paged-logits schedule
+            # its non-CUDA branch: torch.mm(..., out_dtype=float32) exists on CUDA/XPU only
+            m._weights_proj_bf16_in_fp32_out = lambda x, m=m: m.weights_proj(x)[0].float()
+        if isinstance(m, DeepseekScalingRotaryEmbedding):
+            m._forward_method = _rope_native_any_rank(m)
+    return model
+
+
+# ---- the test-only server plugin ------------------------------------------------------------------
+
+
+def install_server_stand_ins():
+    """What only the server path (scheduler, model runner) needs beyond the model's stand-ins."""
+    # The overlap scheduler's early send of a chunked request's cached prefix records a
+    # torch.cuda.Event on the forward stream (`maybe_send_cached_prefix_chunk`); on CPU the forward
+    # has finished when the scheduler gets there, so the event is a no-op.
+    torch.cuda.Event = _SerialEvent
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    # prepare_mlp_sync_batch (CP and DP attention) pins a host tensor unless on SGLang's CPU
+    # engine: "pin_memory=True requires a CUDA or other accelerator backend".
+    if not getattr(ForwardBatch.prepare_mlp_sync_batch, "_cpu_stand_in", False):
+        _patch_source(ForwardBatch, "prepare_mlp_sync_batch", "self.use_pin_memory = not _is_cpu", "self.use_pin_memory = False")
+        ForwardBatch.prepare_mlp_sync_batch._cpu_stand_in = True
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
+
+    # _send_kv_chunk's fast path (one CP sender: replicated CP, CP off) copies the page ids into a
+    # pinned host tensor and records a torch.cuda.Event; False selects its other branch, the
+    # plain `kv_to_page_indices` that every sharded / all-CP-ranks transfer takes.
+    MooncakeKVSender.supports_host_tensor_indices = False
+
+
+def _patch_loaded_model(result, runner, *args, **kwargs):
+    """AFTER `ModelRunner.load_model`: the per-module stand-ins on the model SGLang just built."""
+    patch_model(runner.model)
+
+
+CUDA_ONLY_PROBLEM = "runs on CUDA only, got --device cpu"
+
+
+def _allow_cpu_device(original, server_args):
+    """AROUND the product plugin's `find_problems`: drop only its `--device cuda` requirement."""
+    return [p for p in original(server_args) if not p.startswith(CUDA_ONLY_PROBLEM)]
+
+
+def register():
+    """Entry point of the test-only `cpu_stand_ins` plugin; runs in every SGLang process."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    # Argument resolution (launcher) and the DSA backend (schedulers) read the SM: take SM90's choices.
+    torch.cuda.get_device_capability = lambda *a, **k: SM90
+    # The HTTP server imports soundfile for audio transcription only (not installed here).
+    soundfile = types.ModuleType("soundfile")
+    soundfile.__spec__ = importlib.machinery.ModuleSpec("soundfile", None)
+    sys.modules.setdefault("soundfile", soundfile)
+    install_process_stand_ins()
+    install_server_stand_ins()
+    HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.load_model", _patch_loaded_model, HookType.AFTER)
+    HookRegistry.register("sglang_nsa_cp.sglang_ext.arg_groups.parallel_hook.find_problems", _allow_cpu_device, HookType.AROUND)

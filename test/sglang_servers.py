@@ -1,0 +1,457 @@
+"""Real SGLang 0.5.23 servers on CPU: a PD prefill with `--enable-nsa-prefill-cp-shared-kv`, its
+oracles, a decode, SGLang's router; HTTP clients for them.
+
+Used by test_sglang_server_pd.py, and by `scripts/sglang_pd_cpu.sh` (run this file) to do the
+same by hand. What runs, what is replaced and why: docs/sglang_cpu_server.md.
+
+Every server is `python -m sglang.launch_server` in its own process group (launcher, scheduler
+per rank, detokenizer), started with the CPU stand-ins of `sglang_cpu_stand_ins.py` as a test-only
+SGLang plugin: a dist-info written into a temporary folder on the servers' PYTHONPATH, so SGLang's
+entry-point discovery finds it in every process it starts; nothing is installed. Ports are chosen
+free at run time; `Cluster.stop()` kills every process group (SIGTERM, then SIGKILL) and checks
+that the ports are closed again.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+import sglang_cpu_stand_ins
+import sglang_model_harness as H
+
+TEST_DIR = Path(__file__).resolve().parent
+PYTHON = sys.executable
+CP = 2
+PAGE = 64
+CHUNK_TOKENS = 128  # --chunked-prefill-size: 2 pages, so a prefill batch can hold several requests
+MAX_TOTAL_TOKENS = 16384  # --max-total-tokens: the per-rank token budget of every pool
+LOG_TAIL_CHARS = 6000
+
+# SGLang's own settings for a CPU run (not stand-ins): Mooncake over TCP on loopback, one OpenMP
+# thread per process (2 cores, ~10 processes), a core-binding string for the CP ranks (SGLang
+# requires one per rank when ranks outnumber NUMA nodes), no crash diagnostics (py-spy, CUDA
+# coredumps: a 65 s wait before a crashed server exits), short PD failure detection.
+SERVER_ENV = {
+    **sglang_cpu_stand_ins.ENV,
+    "MOONCAKE_PROTOCOL": "tcp",
+    "MC_FORCE_TCP": "1",
+    "SGLANG_HOST_IP": "127.0.0.1",
+    "OMP_NUM_THREADS": "1",
+    "SGLANG_CPU_OMP_THREADS_BIND": "0|1",
+    "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
+    "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0",
+    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
+    "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "30",
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60",
+    # a decode holds a failed room's pages until every prefill rank acknowledged; a dead one never does
+    "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "5",
+}
+
+PLUGIN_DIST = "sglang_nsa_cp_cpu_stand_ins-0.0.0.dist-info"
+PLUGIN_ENTRY_POINT = "[sglang.srt.plugins]\ncpu_stand_ins = sglang_cpu_stand_ins:register\n"
+
+
+# ---- the model -------------------------------------------------------------------------------------
+
+
+def write_tokenizer(path: str, vocab_size: int) -> None:
+    """A character-level tokenizer for the tiny vocabulary: <s> = 0, </s> = 1 (the checkpoint's
+    bos / eos), then one printable character per id (ASCII 32-126, then Latin-1 letters)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + [chr(c) for c in range(0xC0, 0x100)]
+    vocab = {"<s>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(chars[: vocab_size - 2])}}
+    assert len(vocab) == vocab_size, (len(vocab), vocab_size)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one id per character
+    tokenizer.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>").save_pretrained(path)
+
+
+# The forward harness's tiny DeepSeek-V3.2 with 16 index heads instead of 2. With 2, a key's index
+# score sum_h w_h * relu(q_h . k) is exactly 0 whenever both ReLUs are, many keys tie at the top-k
+# cutoff, and SGLang's torch top-k breaks ties by where a request sits in the batch
+# (docs/sglang_cpu_forward.md): the same prompt could then decode differently alone and in a batch.
+# With 16 heads an exact tie needs all 16 ReLUs at 0.
+MODEL = dict(H.TINY_V32, index_n_heads=16)
+
+
+def write_model(path: str) -> str:
+    """The tiny checkpoint (`MODEL`), plus a tokenizer."""
+    H.write_checkpoint(path, MODEL)
+    write_tokenizer(path, MODEL["vocab_size"])
+    return path
+
+
+def write_plugin_site(path: str) -> str:
+    """A folder that, on PYTHONPATH, makes SGLang's entry-point discovery load the test-only
+    plugin `cpu_stand_ins` (the module itself is found through the test folder)."""
+    dist = Path(path) / PLUGIN_DIST
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang-nsa-cp-cpu-stand-ins\nVersion: 0.0.0\n")
+    (dist / "entry_points.txt").write_text(PLUGIN_ENTRY_POINT)
+    (dist / "RECORD").write_text("")
+    return path
+
+
+# ---- ports and processes ---------------------------------------------------------------------------
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct ports free on 127.0.0.1 now (held open together, so no two are the same)."""
+    with ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGKILL this child when the process that started it dies (prctl
+    PR_SET_PDEATHSIG), so a test process killed outright takes its servers along; SGLang's own
+    schedulers and detokenizer already die with their launcher."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    # zombies of an exited group count as gone
+    out = subprocess.run(["ps", "-o", "stat=", "-g", str(pgid)], capture_output=True, text=True).stdout.split()
+    return any(not stat.startswith("Z") for stat in out)
+
+
+@dataclass
+class Proc:
+    """One launched program in its own process group, its output in `log`."""
+
+    name: str
+    cmd: list[str]
+    env: dict
+    log: Path
+    ports: list[int]
+    popen: subprocess.Popen | None = None
+
+    def start(self) -> "Proc":
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "wb") as out:
+            self.popen = subprocess.Popen(
+                self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, cwd=self.log.parent, preexec_fn=_die_with_parent,
+            )  # fmt: skip
+        return self
+
+    @property
+    def pgid(self) -> int:
+        return self.popen.pid
+
+    def exited(self) -> int | None:
+        return self.popen.poll()
+
+    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return text[-chars:]
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM the whole group, SIGKILL whatever is left after `grace_s`, reap the launcher."""
+        if self.popen is None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            if not group_alive(self.pgid):
+                break
+            try:
+                os.killpg(self.pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait_s
+            while group_alive(self.pgid) and time.monotonic() < deadline:
+                self.popen.poll()
+                time.sleep(0.1)
+        try:
+            self.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+@dataclass
+class Server(Proc):
+    """`python -m sglang.launch_server` with its HTTP port first in `ports`."""
+
+    bootstrap_port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.ports[0]}"
+
+    def ready(self) -> bool:
+        try:
+            return requests.get(self.url + "/health", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def info(self) -> dict:
+        return requests.get(self.url + "/get_server_info", timeout=10).json()
+
+    def scheduler_pids(self) -> dict[str, int]:
+        """The scheduler processes of this server by process title (`sglang::scheduler_ATTN_CP1_TP1`)."""
+        out = subprocess.run(["ps", "-o", "pid=,args=", "-g", str(self.pgid)], capture_output=True, text=True).stdout
+        pids = {}
+        for line in out.splitlines():
+            pid, _, title = line.strip().partition(" ")
+            if title.startswith("sglang::scheduler"):
+                pids[title.strip()] = int(pid)
+        return pids
+
+
+# ---- the servers -----------------------------------------------------------------------------------
+
+DSA_ARGS = [
+    "--device", "cpu", "--attention-backend", "dsa", "--kv-cache-dtype", "bfloat16",
+    "--dsa-prefill-backend", "flashmla_sparse", "--dsa-decode-backend", "flashmla_sparse",
+    "--dsa-topk-backend", "torch",
+]  # fmt: skip
+CP_ARGS = ["--tp", str(CP), "--enable-prefill-cp", "--cp-strategy", "interleave", "--attn-cp-size", str(CP),
+           "--moe-dense-tp-size", "1"]  # fmt: skip
+PD_ARGS = ["--disaggregation-transfer-backend", "mooncake"]
+# SGLang's decode on CPU is not batch-invariant: the same prompt decoded beside different requests
+# can pick other greedy tokens after a few steps, on every path, a plain server included (see
+# docs/sglang_cpu_server.md). Servers that decode therefore run one request at a time; the
+# prefills batch freely, and the decode takes in up to 8 more requests' KV meanwhile.
+ONE_AT_A_TIME = ["--max-running-requests", "1"]
+DECODE_EXTRA_SLOTS = ["--disaggregation-decode-extra-slots", "8"]
+
+# name -> (extra launch_server arguments, needs a bootstrap port)
+ROLES = {
+    "shared": (CP_ARGS + PD_ARGS + ["--disaggregation-mode", "prefill", "--enable-nsa-prefill-cp-shared-kv"], True),
+    "replicated": (CP_ARGS + PD_ARGS + ["--disaggregation-mode", "prefill"], True),
+    "decode": (PD_ARGS + ["--disaggregation-mode", "decode"] + ONE_AT_A_TIME + DECODE_EXTRA_SLOTS, False),
+    "single": (ONE_AT_A_TIME, False),
+}
+
+
+def server_command(model: str, port: int, role_args: list[str], bootstrap_port: int | None) -> list[str]:
+    cmd = [PYTHON, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1", "--port", str(port),
+           *DSA_ARGS, "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--chunked-prefill-size", str(CHUNK_TOKENS),
+           "--sleep-on-idle", "--skip-server-warmup", *role_args]  # fmt: skip
+    if bootstrap_port is not None:
+        cmd += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+    return cmd
+
+
+def server_env(plugin_site: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_", "MC_", "MOONCAKE_"))}
+    env.update(SERVER_ENV)
+    env["PYTHONPATH"] = os.pathsep.join([str(TEST_DIR), plugin_site, *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env
+
+
+def router_command(port: int, prefill: Server, decode: Server) -> list[str]:
+    """SGLang's PD router (sglang-router, Rust) in front of one prefill and one decode."""
+    return [PYTHON, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+            "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url,
+            "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+            "--request-timeout-secs", "120", "--retry-max-retries", "1", "--log-level", "warn"]  # fmt: skip
+
+
+@dataclass
+class Cluster:
+    """The servers of one test run; start them together, stop them all."""
+
+    workdir: Path
+    roles: tuple[str, ...] = ("shared", "replicated", "decode", "single")
+    router: bool = True
+    servers: dict[str, Server] = field(default_factory=dict)
+    procs: list[Proc] = field(default_factory=list)
+    model: str = ""
+
+    def start(self, timeout_s: float = 240.0) -> "Cluster":
+        self.model = write_model(str(self.workdir / "model"))
+        env = server_env(write_plugin_site(str(self.workdir / "plugin_site")))
+        # SGLang's zmq sockets and temporary files go here, not into /tmp (a killed server leaves them)
+        env["TMPDIR"] = str(self.workdir / "tmp")
+        (self.workdir / "tmp").mkdir(parents=True, exist_ok=True)
+        for name in self.roles:
+            role_args, needs_bootstrap = ROLES[name]
+            ports = free_ports(2 if needs_bootstrap else 1)
+            bootstrap = ports[1] if needs_bootstrap else None
+            server = Server(name, server_command(self.model, ports[0], role_args, bootstrap), env,
+                            self.workdir / "logs" / f"{name}.log", ports, bootstrap_port=bootstrap)  # fmt: skip
+            self.servers[name] = server
+            self.procs.append(server.start())
+        self.wait_ready(list(self.servers.values()), timeout_s)
+        if self.router:
+            (port,) = free_ports(1)
+            router = Proc("router", router_command(port, self.servers["shared"], self.servers["decode"]), env,
+                          self.workdir / "logs" / "router.log", [port])  # fmt: skip
+            self.procs.append(router.start())
+            self.router_url = f"http://127.0.0.1:{port}"
+            self.wait_router(router, timeout_s=60)
+        return self
+
+    def wait_ready(self, servers: list[Server], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        waiting = list(servers)
+        while waiting:
+            for server in list(waiting):
+                if server.exited() is not None:
+                    raise RuntimeError(f"{server.name} exited with {server.exited()} while starting:\n{server.log_tail()}")
+                if server.ready():
+                    waiting.remove(server)
+            if waiting and time.monotonic() > deadline:
+                tails = "\n".join(f"--- {s.name}:\n{s.log_tail(2000)}" for s in waiting)
+                raise TimeoutError(f"not ready after {timeout_s:.0f} s: {[s.name for s in waiting]}\n{tails}")
+            time.sleep(0.5)
+
+    def wait_router(self, router: Proc, timeout_s: float) -> None:
+        """The router registers its workers asynchronously: wait until both are healthy there."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if router.exited() is not None:
+                raise RuntimeError(f"router exited with {router.exited()}:\n{router.log_tail()}")
+            try:
+                workers = requests.get(self.router_url + "/workers", timeout=2).json()["workers"]
+                if sorted(w["worker_type"] for w in workers if w["is_healthy"]) == ["decode", "prefill"]:
+                    return
+            except (requests.RequestException, ValueError, KeyError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"router has no healthy prefill and decode after {timeout_s} s:\n{router.log_tail()}")
+            time.sleep(0.5)
+
+    def log_tails(self, chars: int = 1500) -> str:
+        """The end of every server's log, for failure messages."""
+        return "\n".join(f"--- {p.name} ({p.log}):\n{p.log_tail(chars)}" for p in self.procs)
+
+    def stop(self) -> list[str]:
+        """Stop every process group (in parallel); return what is still alive or listening."""
+        threads = [threading.Thread(target=p.stop) for p in self.procs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        leftovers = [f"{p.name}: process group {p.pgid} alive" for p in self.procs if p.popen and group_alive(p.pgid)]
+        leftovers += [f"{p.name}: port {port} open" for p in self.procs for port in p.ports if port_open(port)]
+        return leftovers
+
+
+# ---- HTTP clients ----------------------------------------------------------------------------------
+
+
+def greedy(max_new_tokens: int) -> dict:
+    return {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+
+
+def generate(url: str, input_ids: list[int], max_new_tokens: int, timeout_s: float = 120, **extra) -> dict:
+    """POST /generate; returns the JSON answer (raises on an HTTP error)."""
+    body = {"input_ids": input_ids, "sampling_params": greedy(max_new_tokens), **extra}
+    answer = requests.post(url + "/generate", json=body, timeout=timeout_s)
+    answer.raise_for_status()
+    return answer.json()
+
+
+def generate_pd(prefill: Server, decode: Server, input_ids: list[int], max_new_tokens: int, timeout_s: float = 120):
+    """What a PD router does, done by the client: the same request with the same bootstrap fields
+    to the prefill and the decode at once. Returns (prefill answer, decode answer)."""
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port,
+            "bootstrap_room": random.getrandbits(62)}  # fmt: skip
+    answers = {}
+
+    def post(name, server):
+        try:
+            answers[name] = generate(server.url, input_ids, max_new_tokens, timeout_s, **boot)
+        except requests.RequestException as e:
+            answers[name] = e
+
+    threads = [threading.Thread(target=post, args=a) for a in (("prefill", prefill), ("decode", decode))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return answers["prefill"], answers["decode"]
+
+
+def complete(url: str, prompt: str | list[int], max_tokens: int, timeout_s: float = 120) -> dict:
+    """POST /v1/completions (OpenAI-compatible), greedy."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    answer = requests.post(url + "/v1/completions", json=body, timeout=timeout_s)
+    answer.raise_for_status()
+    return answer.json()
+
+
+def prompt_ids(length: int, seed: int) -> list[int]:
+    """Token ids 2..vocab-1 (no bos / eos), reproducible."""
+    g = random.Random(seed)
+    return [g.randrange(2, MODEL["vocab_size"]) for _ in range(length)]
+
+
+# ---- by hand ---------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    """Start the servers, send a few requests to each path, print the tokens, stop everything."""
+    import argparse
+    import tempfile
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", default=None, help="model, logs (default: a temporary folder)")
+    parser.add_argument("--keep", action="store_true", help="keep the servers running until Ctrl-C")
+    args = parser.parse_args()
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="sglang_pd_cpu_"))
+    cluster = Cluster(workdir)
+    t0 = time.monotonic()
+    try:
+        cluster.start()
+        print(f"servers up in {time.monotonic() - t0:.0f} s; logs in {workdir / 'logs'}")
+        for name, server in cluster.servers.items():
+            print(f"  {name:10s} {server.url}" + (f" (bootstrap {server.bootstrap_port})" if server.bootstrap_port else ""))
+        print(f"  router     {cluster.router_url} -> shared + decode")
+        shared, replicated = cluster.servers["shared"].info(), cluster.servers["replicated"].info()
+        print(f"max_total_num_tokens: shared {shared['max_total_num_tokens']}, replicated {replicated['max_total_num_tokens']}")
+        for length in (5, 70, 200):
+            ids = prompt_ids(length, seed=length)
+            t = time.monotonic()
+            via_router = generate(cluster.router_url, ids, 8)["output_ids"]
+            _, rep = generate_pd(cluster.servers["replicated"], cluster.servers["decode"], ids, 8)
+            single = generate(cluster.servers["single"].url, ids, 8)["output_ids"]
+            same = via_router == rep["output_ids"] == single
+            print(f"prompt {length:3d} tokens: shared-KV PD {via_router}  replicated PD {rep['output_ids']}  "
+                  f"single {single}  {'same' if same else 'DIFFERENT'}  ({time.monotonic() - t:.1f} s)")
+        text = complete(cluster.router_url, "Hello, shared KV!", 8)["choices"][0]["text"]
+        print(f"/v1/completions via the router: {text!r}")
+        if args.keep:
+            print(f"curl {cluster.router_url}/generate -H 'content-type: application/json' -d '{{\"text\": \"Hello\", \"sampling_params\": "
+                  f"{{\"temperature\": 0, \"max_new_tokens\": 8}}}}'   (Ctrl-C stops the servers)")
+            while True:
+                time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        leftovers = cluster.stop()
+        print("stopped" + (f"; LEFT OVER: {leftovers}" if leftovers else ": no process or port left"))
+
+
+if __name__ == "__main__":
+    main()

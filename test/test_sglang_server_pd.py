@@ -1,0 +1,236 @@
+"""CPU, ~3-4 min (real servers, ~15 processes on 2 cores): `python -m sglang.launch_server` with
+`--enable-nsa-prefill-cp-shared-kv` on a PD prefill, over HTTP, checked against oracle servers.
+
+Servers (test/sglang_servers.py; all on a tiny DeepSeek-V3.2 checkpoint written here, CPU
+stand-ins from a test-only plugin, docs/sglang_cpu_server.md):
+- shared:     PD prefill, CP=2 interleave, the flag (the product's deployment);
+- replicated: PD prefill, CP=2 interleave, no flag (today's replicated CP);
+- decode:     PD decode, CP off, serving both prefills over Mooncake (TCP, 127.0.0.1);
+- single:     one ordinary non-PD, non-CP server (the oracle);
+  both decode one request at a time: SGLang's CPU decode is not batch-invariant (the docs);
+- SGLang's router (sglang-router, PD mode) in front of shared + decode; the replicated prefill is
+  reached the router's way by the client (bootstrap fields to prefill and decode at once).
+Greedy tokens through the router must equal the single server's and the replicated PD's. The tests
+run in order and share the servers; the last one kills a CP rank of the shared prefill.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import concurrent.futures as futures  # noqa: E402
+import re  # noqa: E402
+import signal  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+import requests  # noqa: E402
+
+import sglang_servers as S  # noqa: E402
+
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cluster = S.Cluster(tmp_path_factory.mktemp("sglang_pd_cpu"))
+    t0 = time.monotonic()
+    try:
+        cluster.start()
+        cluster.startup_s = time.monotonic() - t0
+        yield cluster
+    finally:
+        leftovers = cluster.stop()
+        assert not leftovers, f"after stopping the servers: {leftovers}"
+
+
+def _three_paths(cluster, ids, new_tokens=NEW_TOKENS):
+    """The same greedy request through the shared-KV PD (router), the replicated PD and the
+    single server, concurrently. Returns the three output id lists."""
+    with futures.ThreadPoolExecutor(3) as pool:
+        shared = pool.submit(S.generate, cluster.router_url, ids, new_tokens)
+        replicated = pool.submit(S.generate_pd, cluster.servers["replicated"], cluster.servers["decode"], ids, new_tokens)
+        single = pool.submit(S.generate, cluster.servers["single"].url, ids, new_tokens)
+        try:
+            _, rep_decode = replicated.result()
+            assert isinstance(rep_decode, dict), f"replicated PD failed: {rep_decode!r}"
+            return shared.result()["output_ids"], rep_decode["output_ids"], single.result()["output_ids"]
+        except (AssertionError, requests.RequestException) as e:
+            raise AssertionError(f"{e!r}\n{cluster.log_tails()}") from e
+
+
+def _assert_same(where, shared, replicated, single):
+    assert len(single) > 0, where
+    assert shared == single, f"{where}: shared-KV PD {shared} != single server {single}"
+    assert replicated == single, f"{where}: replicated PD {replicated} != single server {single}"
+
+
+def _log_lines_since(server, mark, pattern):
+    return [line for line in server.log.read_text(errors="replace")[mark:].splitlines() if re.search(pattern, line)]
+
+
+def _prefill_batches(server, mark):
+    """(requests, new tokens) of every prefill batch the server logged since `mark`."""
+    return [tuple(map(int, re.search(r"#new-seq: (\d+), #new-token: (\d+)", line).groups()))
+            for line in _log_lines_since(server, mark, r"Prefill batch")]  # fmt: skip
+
+
+def _log_mark(server):
+    return len(server.log.read_text(errors="replace"))
+
+
+def _wait_idle(server, timeout_s=60):
+    """SGLang's live load (/v1/loads): no running, waiting or PD-queued request, no KV token in use
+    beyond the radix cache. Returns the last snapshot."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        (load,) = requests.get(server.url + "/v1/loads", timeout=10).json()["loads"]
+        disagg = load.get("disaggregation") or {}
+        busy = load["num_running_reqs"] + load["num_waiting_reqs"] + load["num_used_tokens"]
+        busy += sum(v for k, v in disagg.items() if k.endswith("_queue_reqs"))
+        if busy == 0:
+            return load
+        assert time.monotonic() < deadline, f"{server.name} not idle after {timeout_s} s: {load}"
+        time.sleep(0.5)
+
+
+def test_servers_start_with_the_plugin_and_report_n_times_the_capacity(cluster):
+    """The prefill reports N x the tokens of the replicated prefill in the same KV bytes per rank."""
+    print(f"servers ready in {cluster.startup_s:.0f} s")
+    shared, replicated = cluster.servers["shared"].info(), cluster.servers["replicated"].info()
+    assert shared["max_total_num_tokens"] == S.CP * replicated["max_total_num_tokens"] == S.CP * S.MAX_TOTAL_TOKENS
+    for rank, (sh, rep) in enumerate(zip(shared["internal_states"], replicated["internal_states"])):
+        assert sh["memory_usage"]["token_capacity"] == S.CP * rep["memory_usage"]["token_capacity"], rank
+        # the same KV bytes per rank (GB, SGLang's rounding): the shard holds 1/N of N x the pages
+        assert sh["memory_usage"]["kvcache"] == pytest.approx(rep["memory_usage"]["kvcache"], abs=0.0015), rank
+    pages = S.CP * S.MAX_TOTAL_TOKENS // S.PAGE
+    for rank in range(S.CP):
+        stores = _log_lines_since(cluster.servers["shared"], 0, rf"Shared-KV DSA pool: CP rank {rank}/{S.CP} stores")
+        assert stores and f"of {pages + 1} logical pages" in stores[0], stores
+    assert not _log_lines_since(cluster.servers["replicated"], 0, "Shared-KV DSA pool")
+
+
+def test_concurrent_requests_of_mixed_lengths_match_the_oracles(cluster):
+    shared = cluster.servers["shared"]
+    mark = _log_mark(shared)
+    lengths = (150, 100, 64, 9, 1)  # the longest first: the others queue behind its first chunk
+    with futures.ThreadPoolExecutor(len(lengths)) as pool:
+        results = list(pool.map(lambda n: _three_paths(cluster, S.prompt_ids(n, seed=n)), lengths))
+    for n, outputs in zip(lengths, results):
+        _assert_same(f"prompt of {n} tokens", *outputs)
+    batches = _prefill_batches(shared, mark)
+    print("shared prefill batches (requests, tokens):", batches)
+    # Several requests in one prefill batch (one dense plan over requests of different lengths).
+    # Whether the scheduler batches the requests above depends on when each finishes its bootstrap
+    # with the decode; on a loaded machine they may all have run alone. So hold the shared prefill
+    # (SGLang's /pause_generation: new requests wait in its tokenizer manager, the decode side
+    # pre-allocates meanwhile), send short prompts, then let it go: they reach its scheduler together.
+    if not any(reqs >= 2 for reqs, _ in batches):
+        mark = _log_mark(shared)
+        short = [S.prompt_ids(n, seed=100 + n) for n in (40, 30, 20, 10)]
+        requests.post(shared.url + "/pause_generation", json={"mode": "in_place"}, timeout=30).raise_for_status()
+        with futures.ThreadPoolExecutor(len(short)) as pool:
+            pending = [pool.submit(S.generate, cluster.router_url, ids, NEW_TOKENS) for ids in short]
+            time.sleep(3)
+            requests.post(shared.url + "/continue_generation", json={}, timeout=30).raise_for_status()
+            got = [f.result()["output_ids"] for f in pending]
+        for ids, out in zip(short, got):
+            want = S.generate(cluster.servers["single"].url, ids, NEW_TOKENS)["output_ids"]
+            assert out == want, f"short prompt of {len(ids)} tokens, batched: {out} != single server {want}"
+        batches = _prefill_batches(shared, mark)
+        print("held, then released: shared prefill batches (requests, tokens):", batches)
+    assert any(reqs >= 2 for reqs, _ in batches), f"no prefill batch held several requests: {batches}"
+    # OpenAI-compatible completions, text in and out, through the router
+    prompt = "Shared KV: one copy per CP group."
+    got = S.complete(cluster.router_url, prompt, NEW_TOKENS)
+    want = S.complete(cluster.servers["single"].url, prompt, NEW_TOKENS)
+    assert got["choices"][0]["text"] == want["choices"][0]["text"], (got, want)
+    assert got["usage"]["completion_tokens"] == NEW_TOKENS
+
+
+def test_long_prompt_prefilled_in_several_chunks(cluster):
+    shared = cluster.servers["shared"]
+    mark = _log_mark(shared)
+    n = 2 * S.CHUNK_TOKENS + 40  # 3 chunks
+    _assert_same(f"prompt of {n} tokens", *_three_paths(cluster, S.prompt_ids(n, seed=7)))
+    chunks = _log_lines_since(shared, mark, r"Prefill batch.*#new-token: ")
+    assert len(chunks) >= 3, "expected >= 3 prefill chunks on the shared prefill, got:\n" + "\n".join(chunks)
+
+
+def test_second_request_hits_the_prefill_radix_cache(cluster):
+    shared = cluster.servers["shared"]
+    prefix = S.prompt_ids(2 * S.PAGE + 5, seed=11)
+    first = prefix + S.prompt_ids(20, seed=12)
+    second = prefix + S.prompt_ids(30, seed=13)
+    _assert_same("first request", *_three_paths(cluster, first))
+    mark = _log_mark(shared)
+    _assert_same("second request (cached prefix)", *_three_paths(cluster, second))
+    hits = [int(m) for line in _log_lines_since(shared, mark, r"#cached-token: [1-9]")
+            for m in re.findall(r"#cached-token: (\d+)", line)]  # fmt: skip
+    assert hits and max(hits) >= 2 * S.PAGE, f"no radix hit of >= {2 * S.PAGE} tokens on the shared prefill: {hits}"
+
+
+def test_client_abort_mid_prefill_frees_everything(cluster):
+    shared, decode = cluster.servers["shared"], cluster.servers["decode"]
+    marks = {s.name: _log_mark(s) for s in (shared, decode)}
+    ids = S.prompt_ids(7 * S.CHUNK_TOKENS, seed=21)  # 7 chunks: seconds of prefill on CPU
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        S.generate(cluster.router_url, ids, NEW_TOKENS, timeout_s=1.5)
+    # SGLang aborts a request whose client went away (it checks the connection every few seconds)
+    deadline = time.monotonic() + 60
+    while not _log_lines_since(shared, marks["shared"], "disconnected from the client side"):
+        assert time.monotonic() < deadline, "the shared prefill never saw the client go away"
+        time.sleep(0.5)
+    assert _log_lines_since(decode, marks["decode"], "disconnected from the client side|Aborted by AbortReq")
+    for server in (shared, decode):
+        _wait_idle(server)
+    # both keep serving, with the oracle's tokens
+    ids = S.prompt_ids(80, seed=22)
+    _assert_same("request after the abort", *_three_paths(cluster, ids))
+
+
+def test_killed_cp_rank_fails_the_request_and_the_prefill_exits(cluster):
+    """SIGKILL CP rank 1 of the shared prefill while a chunked request is being prefilled: the
+    client gets an error (no tokens), the decode frees what it had received and keeps serving,
+    and the prefill server exits as a whole (launcher, schedulers, detokenizer) with its ports
+    closed, for a supervisor to restart."""
+    shared, decode = cluster.servers["shared"], cluster.servers["decode"]
+    mark = _log_mark(shared)
+    ids = S.prompt_ids(6 * S.CHUNK_TOKENS, seed=31)
+    with futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(requests.post, cluster.router_url + "/generate",
+                              json={"input_ids": ids, "sampling_params": S.greedy(NEW_TOKENS)}, timeout=120)  # fmt: skip
+        deadline = time.monotonic() + 60
+        while len(_log_lines_since(shared, mark, r"Prefill batch.*#new-token: ")) < 2:  # its KV is on the way
+            assert time.monotonic() < deadline and not pending.done(), "the request did not start prefilling"
+            time.sleep(0.1)
+        ranks = shared.scheduler_pids()
+        victim = next(pid for title, pid in ranks.items() if "ATTN_CP1" in title)
+        os.kill(victim, 9)
+        killed_at = time.monotonic()
+        answer = pending.result()
+    print(f"client answer {time.monotonic() - killed_at:.1f} s after the kill: {answer.status_code} {answer.text[:300]}")
+    assert answer.status_code >= 400, f"a request whose CP rank died returned {answer.status_code}: {answer.text}"
+    assert "output_ids" not in answer.text and "KVTransferError" in answer.text, answer.text
+    # the prefill server exits by itself: SGLang's launcher tears the whole group down
+    deadline = time.monotonic() + 60
+    while shared.exited() is None:
+        assert time.monotonic() < deadline, f"the prefill did not exit:\n{shared.log_tail()}"
+        time.sleep(0.5)
+    print(f"prefill exited with {shared.exited()} {time.monotonic() - killed_at:.1f} s after the kill")
+    assert shared.exited() == -signal.SIGKILL  # SGLang's kill_process_tree ends the launcher itself too
+    deadline = time.monotonic() + 30
+    while S.group_alive(shared.pgid) or any(S.port_open(p) for p in shared.ports):
+        assert time.monotonic() < deadline, "processes or ports of the dead prefill left over"
+        time.sleep(0.5)
+    # the decode failed the room with a reason, freed it, and serves the other prefill
+    failures = _log_lines_since(decode, 0, r"Decode transfer failed|KVTransferError")
+    assert failures, "the decode logged no failed transfer"
+    _wait_idle(decode)
+    print(f"decode idle {time.monotonic() - killed_at:.1f} s after the kill")
+    ids = S.prompt_ids(70, seed=32)
+    _, rep = S.generate_pd(cluster.servers["replicated"], decode, ids, NEW_TOKENS)
+    single = S.generate(cluster.servers["single"].url, ids, NEW_TOKENS)["output_ids"]
+    assert rep["output_ids"] == single
