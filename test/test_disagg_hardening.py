@@ -1,5 +1,5 @@
 """The standalone owned-page protocol (disagg/) under hostile peers, late writers, reused ids and
-restarts: one regression test per finding of issue 17, plus load. CPU only, about 20 s on 2 busy
+restarts: one regression test per finding of issue 17, plus load. CPU only, about 40 s on 2 busy
 cores. Everything runs in this process: the receiver, senders (threads where they must run at
 once) and raw ZMQ sockets that play an attacker, over one Mooncake TCP engine on 127.0.0.1.
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import threading
 import time
 
@@ -36,6 +37,9 @@ from sglang_nsa_cp.disagg.checksum import page_checksums
 from sglang_nsa_cp.disagg.plan import build_transfer_batch, coalesce_runs
 from sglang_nsa_cp.disagg.sender import SendResult
 from sglang_nsa_cp.disagg.protocol import TO_DECODE, TO_PREFILL, Auth, Hello, Layout, Manifest, Want
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=41, suite="nsa-cp-test-cpu")
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -675,3 +679,7 @@ def test_a_rank_that_gave_up_waiting_does_not_fence_the_pages(engine):
     finally:
         impatient.close()
         rx.close()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
