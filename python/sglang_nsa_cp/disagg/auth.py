@@ -60,7 +60,8 @@ def pd_secret(secret=FROM_ENV) -> bytes | None:
     if secret == FROM_ENV:
         secret = SGLANG_NSA_CP_PD_SECRET.get()
     elif secret is not None and (not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES):
-        raise ValueError(f"secret must be None or at least {MIN_SECRET_BYTES} bytes, got {secret!r:.40}")
+        got = f"{len(secret)} bytes" if isinstance(secret, bytes) else type(secret).__name__  # never the value
+        raise ValueError(f"secret must be None or bytes, at least {MIN_SECRET_BYTES} of them; got {got}")
     if secret is None and not _warned:
         _warned = True
         logger.warning(
