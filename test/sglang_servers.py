@@ -54,8 +54,10 @@ SERVER_ENV = {
     "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0",
     "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
     "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",
-    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "30",
-    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60",
+    # generous: on a loaded 2-core machine a decode serving one request at a time took 63 s to
+    # send a queued request's bootstrap (a 60 s limit failed the request on both prefills)
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "120",
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "300",
     # a decode holds a failed room's pages until every prefill rank acknowledged; a dead one never does
     "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "5",
 }

@@ -94,6 +94,7 @@ def test_demo_with_pd_writes_the_pd_check(tmp_path):
     assert len(pd["bytes_per_rank"]) == len(pd["transfers_per_rank"]) == 2
     assert sum(pd["bytes_per_rank"]) == pd["rank0_sends_all"]["bytes"]
     assert "pd: ok" in proc.stdout and "oracle: ok" in proc.stdout
+    assert pd["keyed"] is True and "messages keyed with HMAC-SHA256" in proc.stdout  # on in the demo
     # Mooncake logs warnings and errors only by default (glog lines start with the level letter).
     mooncake_info = [line for line in proc.stderr.splitlines() if re.match(r"I\d{4} ", line)]
     assert not mooncake_info, mooncake_info

@@ -21,7 +21,11 @@ of their positions and nothing else in the decode pool changed; each rank writes
 pages (bytes = owned pages x page bytes + the request's metadata), runs coalesced; a rank that
 never sends, a page a rank drops (caught by the rank's self-check, or with that bypassed by the
 decode's manifest check) fail the request with a reason naming the problem, and the next request
-commits. Not run here: the scheduler loop around these calls (the CP all-reduce of poll states,
+commits. Every process has SGLANG_NSA_CP_PD_SECRET, so manifests are keyed (the stock decode
+ignores them). A rank whose write comes after the decode gave up on the room: SGLang's deferred
+release (the drain ack) makes the pages safe to reuse only after that write landed (issue 17).
+In process: the commit rule against the decode's own request, hostile manifest frames (nested,
+oversized, 2e7 ranks, unkeyed, replayed) and the status socket's size limit. Not run here: the scheduler loop around these calls (the CP all-reduce of poll states,
 the radix cache, chunked-prefill scheduling), RDMA, GPU memory.
 """
 
@@ -61,6 +65,7 @@ def _env(waiting_timeout=None):
         SGLANG_DISAGGREGATION_THREAD_POOL_SIZE="2", SGLANG_DISAGGREGATION_QUEUE_SIZE="1",
         SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="60", SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL="5",
     )  # fmt: skip
+    os.environ["SGLANG_NSA_CP_PD_SECRET"] = SECRET.decode()  # keyed manifests; a stock decode ignores them
     if waiting_timeout is not None:
         os.environ["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = str(waiting_timeout)
     torch.set_num_threads(1)
@@ -167,6 +172,8 @@ class _Traffic:
         self.local = threading.local()
         self.lock = threading.Lock()
         self.rooms = {}
+        self.write_end = {}  # room -> time.monotonic() a slowed write finished (faults)
+        self.slowed = set()
 
     def install(self):
         from sglang.srt.disaggregation.common.utils import FastQueue
@@ -207,13 +214,32 @@ def _fill_shard(pool, rank, cp_size):
             index[logical // cp_size] = _pattern(logical, layer, 1, INDEX_PAGE_BYTES)
 
 
-def _install_faults(rank, faults):
+def _install_faults(rank, faults, traffic):
     """Test-only faults, applied outside the plugin's hooks: `drop`: rooms where this rank loses
-    its first owned page after SGLang's filtering; `bypass`: rooms where its self-check is skipped."""
+    its first owned page after SGLang's filtering; `bypass`: rooms where its self-check is skipped;
+    `slow`: {room: seconds} this rank's first page write of the room waits before it starts (its
+    end time goes into `traffic.write_end`)."""
     from sglang.srt.disaggregation.common.conn import CommonKVSender
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
     import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as plugin_conn
 
+    slow, transfer = dict(faults.get(("slow", rank), {})), MooncakeKVManager._transfer_data
+    traffic.slowed = set(slow)  # rooms whose slowed write has not finished
+
+    def slow_transfer(mgr, session, blocks):
+        room = getattr(traffic.local, "room", None)
+        delay = slow.pop(room, None) if not getattr(traffic.local, "aux", False) else None
+        if delay is not None:
+            time.sleep(delay)  # the decode gives up meanwhile; this write still lands afterwards
+        try:
+            return transfer(mgr, session, blocks)
+        finally:
+            if delay is not None:
+                traffic.write_end[room] = time.monotonic()
+                traffic.slowed.discard(room)
+
+    MooncakeKVManager._transfer_data = slow_transfer
     drop, bypass = faults.get(("drop", rank), set()), faults.get(("bypass", rank), set())
     dropped = set()
     prepare = CommonKVSender._prepare_send_indices
@@ -257,7 +283,7 @@ def _prefill_rank(rank, cp_size, bootstrap_port, requests, faults, results, stop
         _fill_shard(pool, rank, cp_size)
         traffic = _Traffic()
         traffic.install()
-        _install_faults(rank, faults)
+        _install_faults(rank, faults, traffic)
         queue_stub = SimpleNamespace(
             transfer_backend=TransferBackend.MOONCAKE, tp_rank=rank, pp_rank=0, token_to_kv_pool=pool,
             draft_token_to_kv_pool=None, is_mla_backend=True, metadata_buffers=_metadata_buffers(),
@@ -286,10 +312,12 @@ def _prefill_rank(rank, cp_size, bootstrap_port, requests, faults, results, stop
             status = _wait(sender.poll, lambda s: s in (KVPoll.Success, KVPoll.Failed), 60, f"room {room} transfer")
             with mgr.failure_lock:
                 reason = mgr.failure_records.get(room)
-            sender.clear()
+            sender.clear()  # as the scheduler does once the room failed, a slowed write still going
+            _wait(lambda: room not in traffic.slowed, lambda done: done, 30, f"room {room} late write")
             with traffic.lock:
                 stats = traffic.rooms.get(room, {"pages": [0, 0], "aux": [0, 0]})
-            return {"status": _status_name(status), "reason": reason, "stats": stats}
+            return {"status": _status_name(status), "reason": reason, "stats": stats,
+                    "write_end": traffic.write_end.get(room)}
 
         def run(req):
             try:
@@ -351,6 +379,10 @@ def _decode(name, plugin, bootstrap_port, requests, results, stop):
             receiver = MooncakeKVReceiver(mgr, addr, room)
             receiver.init(prefill_dp_rank=0)
             receiver.send_metadata(dst, req["aux"], [dst.copy()])
+            if "abort_after_s" in req:
+                used.update(int(d) for d in dst)
+                results.put(("room", name, room, _abort_and_wait_for_drain(mgr, receiver, req, latent, dst)))
+                continue
             status = _wait(receiver.poll, lambda s: s in (KVPoll.Success, KVPoll.Failed), 60, f"room {room}")
             with mgr.failure_lock:
                 reason = mgr.failure_records.get(room)
@@ -373,6 +405,26 @@ def _decode(name, plugin, bootstrap_port, requests, results, stop):
     except BaseException:
         results.put(("error", name, traceback.format_exc()))
     _exit(results)
+
+
+def _abort_and_wait_for_drain(mgr, receiver, req, latent, dst):
+    """The decode gives up on a room while a prefill rank's write is still coming (what its
+    scheduler does on a timeout or an abort: `ensure_abort_notified`, then it holds the pages
+    until `is_abort_release_safe`). Report when release became safe and whether every page had
+    landed by then: SGLang's deferred release is what keeps a late write out of reused pages."""
+    time.sleep(req["abort_after_s"])
+    receiver.abort()
+    unsafe_polls, required = 0, len(receiver.bootstrap_infos)
+    while not mgr.is_abort_release_safe(req["room"], required):
+        unsafe_polls += 1
+        assert unsafe_polls < 3000, "no drain ack within 30 s"
+        time.sleep(0.01)
+    safe_at = time.monotonic()
+    landed = all(torch.equal(latent[0][page], _pattern(logical, 0, 0, KV_PAGE_BYTES))
+                 for logical, page in zip(req["pages"], dst) if logical % req["cp_size"] == req["slow_rank"])  # fmt: skip
+    mgr.clear_deferred_abort_state(req["room"])
+    receiver.clear()
+    return {"status": "Aborted", "safe_at": safe_at, "landed_when_safe": landed, "unsafe_polls": unsafe_polls}
 
 
 # ---- the harness --------------------------------------------------------------------------------------
@@ -498,6 +550,7 @@ def test_two_ranks_serve_a_plugin_decode_and_a_stock_decode():
     p_reqs = [
         _request(200, [7], [next(p_dst)]),  # one page: rank 0 owns none, sends an empty manifest
         _request(201, list(range(10, 22)), [next(p_dst) for _ in range(12)], chunks=[6, 6]),
+        _request(202, list(range(30, 36)), [next(p_dst) for _ in range(6)], abort_after_s=1.0, cp_size=2, slow_rank=1),
     ]
     s_reqs = [
         _request(300, [3, 9, 4, 17, 30, 11, 2], [next(s_dst) for _ in range(7)], chunks=[3, 4]),
@@ -505,9 +558,14 @@ def test_two_ranks_serve_a_plugin_decode_and_a_stock_decode():
         _request(302, list(range(40, 46)), [next(s_dst) for _ in range(6)], silent=[1]),
         _request(303, [5, 6, 7, 8, 9], [next(s_dst) for _ in range(5)]),
     ]
-    faults = {("drop", 1): {301}}
+    faults = {("drop", 1): {301}, ("slow", 1): {202: 2.5}}
     reports = _run(n, {"plugin": (True, p_reqs), "stock": (False, s_reqs)}, p_reqs + s_reqs, faults)
     info = reports["ready"][0]
+    # Finding: a slow rank's write landed after its room was given up and its pages reused. Here
+    # the decode gives up after 1 s, rank 1 writes at 2.5 s: release becomes safe only after that.
+    late, aborted = reports["room"][(1, 202)], reports["room"][("plugin", 202)]
+    assert late["write_end"] is not None and aborted["unsafe_polls"] > 50, (late, aborted)
+    assert aborted["safe_at"] >= late["write_end"] and aborted["landed_when_safe"], (late, aborted)
     for name in ("plugin", "stock"):
         assert reports["ready"][name] == {"target_cp_ranks": [0, 1], "required": 2}
     _check_committed(reports, "plugin", p_reqs[0], n, info)
@@ -563,11 +621,25 @@ def _manifest(rank, positions, pages, total=4, cp=2, index=True):
     return {"rank": rank, "cp_size": cp, "kv": kv, "index": dict(kv) if index else None}
 
 
-def test_decode_commit_rule_over_the_manifests():
-    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import decode_manifest, encode_manifest, verify_manifests
+SECRET = b"plugin-test-secret-0123456789abc"
 
+
+def test_decode_commit_rule_over_the_manifests():
+    """Checked against what the decode asked for (4 KV and 4 index-K pages from 2 CP ranks),
+    never against what a prefill claims."""
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import (
+        RoomExpectation,
+        decode_manifest,
+        encode_manifest,
+        verify_manifests,
+    )
+
+    asked = RoomExpectation(kv_pages=4, index_pages=4, cp_size=2)
     good = {0: _manifest(0, [0, 2], [10, 12]), 1: _manifest(1, [1, 3], [11, 13])}
-    assert verify_manifests(9, {r: decode_manifest(encode_manifest(m)) for r, m in good.items()}, [0, 1]) is None
+    for secret in (None, SECRET):
+        wire = {r: decode_manifest(encode_manifest(m, 9, r, secret), room=9, prefill_rank=r, secret=secret, max_pages=4)
+                for r, m in good.items()}  # fmt: skip
+        assert verify_manifests(9, wire, [0, 1], asked) is None
     cases = [
         ({0: good[0], 1: _manifest(1, [1], [11])}, [0, 1], "KV pages: missing positions [3]"),
         ({0: good[0], 1: _manifest(1, [1, 2, 3], [11, 13, 13])}, [0, 1], "duplicated positions [2 (ranks [0, 1])]"),
@@ -576,19 +648,61 @@ def test_decode_commit_rule_over_the_manifests():
         ({0: good[0]}, [0], "no manifest from CP rank(s) [1] of 2"),
         ({0: good[0], 1: "manifest is not JSON"}, [0, 1], "malformed manifest from prefill rank 1"),
         ({0: good[0], 1: _manifest(1, [1, 3], [11, 13], index=False)}, [0, 1], "index-K pages reported by CP ranks [0] only"),
-        ({0: good[0], 1: _manifest(1, [1, 3], [11, 13], total=5)}, [0, 1], "kv page counts differ between ranks [4, 5]"),
+        ({0: good[0], 1: _manifest(1, [1, 3], [11, 13], total=5)}, [0, 1], "KV page counts {1: 5} (by CP rank) differ from the 4 the decode asked for"),
         ({0: good[0], 2: _manifest(1, [1, 3], [11, 13])}, [0, 2], "prefill rank 2 sent a manifest for CP rank 1"),
-    ]
+        # Both ranks claim a smaller request, consistently: the decode's own count catches it.
+        ({0: _manifest(0, [0], [10], total=2), 1: _manifest(1, [1], [11], total=2)}, [0, 1], "differ from the 4"),
+        ({0: good[0], 1: _manifest(1, [1, 3], [11, 13], cp=20_000_000)}, [0, 1], "claims a CP group of 20000000; the decode targets 2"),
+    ]  # fmt: skip
     for manifests, responders, needle in cases:
-        reason = verify_manifests(9, manifests, responders)
+        start = time.monotonic()
+        reason = verify_manifests(9, manifests, responders, asked)
         assert reason is not None and needle in reason, (needle, reason)
-    for frame in (b"nope", b"nsa-cp-owned-pages/1 {", b'nsa-cp-owned-pages/1 {"rank": 0, "cp_size": 2, "kv": {"total": 1, "positions": [0], "pages": []}}'):
-        with pytest.raises(ValueError):
-            decode_manifest(frame)
+        assert time.monotonic() - start < 0.1, (needle, "slow")
+    no_index = RoomExpectation(kv_pages=4, index_pages=None, cp_size=2)
+    assert "the decode asked for none" in verify_manifests(9, good, [0, 1], no_index)
+
+
+def _hostile_manifest_frames():
+    """Frames a decode must turn into a reason, never an exception (issue 17's findings first)."""
+    import msgspec
+
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import MANIFEST_TAG, encode_manifest
+
+    good = encode_manifest(_manifest(1, [1, 3], [11, 13]), 9, 1, SECRET)
+    unkeyed = MANIFEST_TAG + b"\x00"
+    return {
+        "nested": unkeyed + b"\x91" * 5000 + b"\x00",
+        "oversized": unkeyed + b"\x00" * 10_000_000,
+        "5000-digit int": MANIFEST_TAG + b"\x00" + b'{"rank": ' + b"9" * 5000 + b"}",
+        "type is a list": unkeyed + msgspec.msgpack.encode({"room": 9, "rank": [1], "cp_size": 2, "kv": []}),
+        "2e7 CP ranks": unkeyed + msgspec.msgpack.encode({"room": 9, "rank": 1, "cp_size": 20_000_000,
+                                                         "kv": {"total": 20_000_000, "positions": [], "pages": []}}),
+        "not signed": encode_manifest(_manifest(1, [1, 3], [11, 13]), 9, 1, None),
+        "signed with another key": encode_manifest(_manifest(1, [1, 3], [11, 13]), 9, 1, b"x" * 32),
+        "replayed from another room": encode_manifest(_manifest(1, [1, 3], [11, 13]), 8, 1, SECRET),
+        "replayed from another rank": encode_manifest(_manifest(1, [1, 3], [11, 13]), 9, 0, SECRET),
+        "MAC cut short": MANIFEST_TAG + bytes([7]) + good[len(MANIFEST_TAG) + 1 :],
+        "empty": MANIFEST_TAG,
+    }
+
+
+def test_hostile_manifest_frames_never_raise_in_the_decode_thread():
+    """Finding: a nested or oversized manifest frame raised out of the manifest reader in SGLang's
+    decode thread; a manifest claiming 2e7 CP ranks or pages kept it busy for seconds. Now each
+    becomes the room's failure reason, within milliseconds."""
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import decode_manifest
+
+    for name, frame in _hostile_manifest_frames().items():
+        start = time.monotonic()
+        with pytest.raises(ValueError) as err:
+            decode_manifest(frame, room=9, prefill_rank=1, secret=SECRET, max_pages=4)
+        assert time.monotonic() - start < 0.1 and len(str(err.value)) <= 300, (name, str(err.value)[:200])
 
 
 def test_hooks_pass_through_when_shared_kv_is_off(monkeypatch):
-    """Without the flag the prefill hooks change nothing; a non-Mooncake prefill manager is refused."""
+    """Without the flag the prefill hooks change nothing; a non-Mooncake prefill manager is refused;
+    a decode manager only gets its status-frame limit and the PD secret (none here)."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as hooks
@@ -596,61 +710,150 @@ def test_hooks_pass_through_when_shared_kv_is_off(monkeypatch):
     calls = []
     original = lambda *a, **k: calls.append((a, k))  # noqa: E731
     mgr = SimpleNamespace()
+    kv_args = SimpleNamespace(kv_data_lens=[64 * 1024], kv_item_lens=[1024])
     monkeypatch.setattr(hooks, "is_enabled", lambda: False)
-    hooks.init_owner_sharded_manager(original, mgr, "args", DisaggregationMode.PREFILL, "server_args")
+    hooks.init_owner_sharded_manager(original, mgr, kv_args, DisaggregationMode.PREFILL, "server_args")
     assert vars(mgr) == {} and len(calls) == 1
     payload = {"enable_kv_cache_sharding": False}
     hooks.advertise_all_cp_ranks(original, mgr, "url", payload)
     assert calls[-1][0][2] is payload
     monkeypatch.setattr(hooks, "is_enabled", lambda: True)
-    hooks.init_owner_sharded_manager(original, mgr, "args", DisaggregationMode.DECODE, "server_args")
-    assert vars(mgr) == {} and len(calls) == 3
+    monkeypatch.delenv("SGLANG_NSA_CP_PD_SECRET", raising=False)
+    hooks.init_owner_sharded_manager(original, mgr, kv_args, DisaggregationMode.DECODE, "server_args")
+    assert vars(mgr) == {hooks._SECRET: None} and len(calls) == 3
     with pytest.raises(NotImplementedError, match="Mooncake transfer backend only"):
-        hooks.init_owner_sharded_manager(original, mgr, "args", DisaggregationMode.PREFILL, "server_args")
+        hooks.init_owner_sharded_manager(original, SimpleNamespace(), kv_args, DisaggregationMode.PREFILL, "server_args")
 
 
-def test_decode_hooks_commit_only_full_coverage():
-    """The decode-side hooks around SGLang's own `parse_kv_status_message` and
-    `apply_prefill_status`, fed status messages as the decode thread receives them."""
+def test_status_socket_refuses_frames_past_its_limit():
+    """The decode's status socket, made by SGLang's own `get_zmq_socket_on_host` while the hook's
+    limit is set: a frame past the limit closes its connection unread; the limit is gone after."""
+    import zmq
+    from sglang.srt.utils.network import get_zmq_socket_on_host
+
+    import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as hooks
+
+    ctx = zmq.Context()
+    hooks._STATUS_FRAME_LIMIT.bytes = 4096
+    try:
+        port, pull = hooks.limit_status_frames(get_zmq_socket_on_host, ctx, zmq.PULL, host="127.0.0.1")
+    finally:
+        hooks._STATUS_FRAME_LIMIT.bytes = None
+    _, unlimited = hooks.limit_status_frames(get_zmq_socket_on_host, ctx, zmq.PULL, host="127.0.0.1")
+    assert pull.getsockopt(zmq.MAXMSGSIZE) == 4096 and unlimited.getsockopt(zmq.MAXMSGSIZE) == -1
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    push.send(b"x" * 5000)
+    assert not pull.poll(500), "an oversized frame was delivered"
+    small = ctx.socket(zmq.PUSH)
+    small.connect(f"tcp://127.0.0.1:{port}")
+    small.send(b"status")
+    assert pull.poll(2000) and pull.recv() == b"status"
+    for sock in (push, small, pull, unlimited):
+        sock.close(linger=0)
+    ctx.term()
+
+
+def _decode_manager(secret):
+    """A decode `MooncakeKVManager` with only the state `parse_kv_status_message` and
+    `apply_prefill_status` use, and the hooks' (unwrapped methods: the hooks are called here)."""
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as hooks
+
+    mgr = object.__new__(MooncakeKVManager)
+    mgr.__dict__.update(
+        request_status={}, prefill_response_tracker={}, required_prefill_response_num_table={}, failure_records={},
+        failure_lock=threading.Lock(), enable_staging=False, _staging_handler=None, defer_decode_allocation=False,
+        deferred_bootstrap=None, _deferred_ack_targets={}, _deferred_ack_poisoned_rooms=set(), _staging_outstanding={},
+    )  # fmt: skip
+    mgr.__dict__[hooks._SECRET] = secret
+    return mgr
+
+
+def _deliver(mgr, room, rank, frame):
+    """One status message through the hooks, as SGLang's decode thread handles it."""
     import inspect
 
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
     import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as hooks
+
+    msg = [str(room).encode(), str(KVPoll.Success).encode(), str(rank).encode(), b""] + ([frame] if frame else [])
+    parsed = hooks.read_manifest(inspect.unwrap(MooncakeKVManager.parse_kv_status_message), mgr, msg)
+    hooks.verify_before_success(inspect.unwrap(MooncakeKVManager.apply_prefill_status), mgr, bootstrap_room=parsed[0],
+                                status=parsed[1], prefill_rank=parsed[2], failure_reason=parsed[3])  # fmt: skip
+
+
+def _expect(mgr, room, kv_pages=4):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as hooks
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import RoomExpectation
+
+    mgr.request_status[room] = KVPoll.WaitingForInput
+    mgr.prefill_response_tracker[room] = set()
+    mgr.required_prefill_response_num_table[room] = 2
+    hooks._state(mgr, hooks._EXPECTED)[room] = RoomExpectation(kv_pages, kv_pages, 2)
+
+
+def test_decode_hooks_commit_only_full_coverage():
+    """The decode-side hooks around SGLang's own `parse_kv_status_message` and
+    `apply_prefill_status`, fed status messages as the decode thread receives them."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as hooks
     from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import encode_manifest
 
-    parse = inspect.unwrap(MooncakeKVManager.parse_kv_status_message)
-    apply = inspect.unwrap(MooncakeKVManager.apply_prefill_status)
-    mgr = object.__new__(MooncakeKVManager)  # only the decode-side state these two methods use
-    mgr.__dict__.update(
-        request_status={}, prefill_response_tracker={}, required_prefill_response_num_table={}, failure_records={},
-        failure_lock=threading.Lock(), enable_staging=False, _staging_handler=None, defer_decode_allocation=False,
-        deferred_bootstrap=None, _deferred_ack_targets={}, _deferred_ack_poisoned_rooms=set(), _staging_outstanding={},
-    )  # fmt: skip
-
-    def expect(room):
-        mgr.request_status[room] = KVPoll.WaitingForInput
-        mgr.prefill_response_tracker[room] = set()
-        mgr.required_prefill_response_num_table[room] = 2
-
-    def deliver(room, rank, manifest):
-        msg = [str(room).encode(), str(KVPoll.Success).encode(), str(rank).encode(), b""]
-        msg += [encode_manifest(manifest)] if manifest else []
-        parsed = hooks.read_manifest(parse, mgr, msg)
-        hooks.verify_before_success(apply, mgr, bootstrap_room=parsed[0], status=parsed[1], prefill_rank=parsed[2],
-                                    failure_reason=parsed[3])  # fmt: skip
-
+    mgr = _decode_manager(secret=None)
     good = {0: _manifest(0, [0, 2], [10, 12]), 1: _manifest(1, [1, 3], [11, 13])}
     for room, sends in {1: good, 2: {0: good[0], 1: _manifest(1, [1], [11])}, 3: {0: None, 1: None},
                         4: {0: good[0], 1: None}}.items():  # fmt: skip
-        expect(room)
+        _expect(mgr, room)
         for rank, manifest in sends.items():
-            deliver(room, rank, manifest)
+            _deliver(mgr, room, rank, manifest and encode_manifest(manifest, room, rank, None))
     assert mgr.request_status[1] == KVPoll.Success and 1 not in mgr.failure_records
     assert mgr.request_status[2] == KVPoll.Failed and "KV pages: missing positions [3]" in mgr.failure_records[2]
-    assert mgr.request_status[3] == KVPoll.Success  # no manifests: a prefill without shared KV, SGLang's rule
+    assert mgr.request_status[3] == KVPoll.Success  # no manifests, no secret: a stock prefill, SGLang's rule
     assert mgr.request_status[4] == KVPoll.Failed and "[1] reported success without" in mgr.failure_records[4]
-    deliver(1, 1, _manifest(1, [1], [11]))  # a late repeat cannot undo a commit
+    _deliver(mgr, 1, 1, encode_manifest(_manifest(1, [1], [11]), 1, 1, None))  # a late repeat cannot undo a commit
     assert mgr.request_status[1] == KVPoll.Success
     assert not mgr.__dict__[hooks._MANIFESTS] and not mgr.__dict__[hooks._INBOX]
+
+
+def test_decode_thread_survives_hostile_manifest_frames_keyed_or_not():
+    """Findings: anyone who reaches the decode could forge a commit; a hostile frame raised in the
+    decode thread. With the secret, a Success whose manifest is missing or not keyed to its room
+    and rank is dropped as if it never came: a forged one neither commits nor fails the room, the
+    real one still commits it. Without the secret, a hostile frame fails its room with a bounded
+    reason. Either way the next room commits and nothing raises."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import encode_manifest
+
+    good = {0: _manifest(0, [0, 2], [10, 12]), 1: _manifest(1, [1, 3], [11, 13])}
+    for secret in (SECRET, None):
+        mgr = _decode_manager(secret=secret)
+        hostile = dict(_hostile_manifest_frames(), **{"no manifest frame": None})
+        for i, (name, frame) in enumerate(hostile.items()):
+            room = 10 + i
+            _expect(mgr, room)
+            _deliver(mgr, room, 0, encode_manifest(good[0], room, 0, secret))
+            start = time.monotonic()
+            _deliver(mgr, room, 1, frame)  # forged, as rank 1
+            assert time.monotonic() - start < 0.2, name
+            if secret is None and frame is None:
+                assert mgr.request_status[room] == KVPoll.Failed and "without an owned-page manifest" in mgr.failure_records[room]
+                continue
+            if secret is None:  # every one of them is malformed for room 10 + i (they name room 9)
+                assert mgr.request_status[room] == KVPoll.Failed, name
+                assert "malformed manifest from prefill rank 1" in mgr.failure_records[room], (name, mgr.failure_records[room])
+                continue
+            assert mgr.request_status[room] == KVPoll.WaitingForInput, (name, mgr.failure_records.get(room))
+            _deliver(mgr, room, 1, encode_manifest(good[1], room, 1, secret))  # the real rank 1
+            assert mgr.request_status[room] == KVPoll.Success, (name, mgr.failure_records.get(room))
+        _expect(mgr, 99)
+        for rank, m in good.items():
+            _deliver(mgr, 99, rank, encode_manifest(m, 99, rank, secret))
+        assert mgr.request_status[99] == KVPoll.Success

@@ -84,7 +84,8 @@ def _print_report(report: dict) -> None:
 
 def _print_pd_report(pd: dict) -> None:
     n = pd["cp_size"]
-    print(f"PD: {n} shared-KV prefill ranks -> 1 decode process (owned-page transfer over Mooncake TCP)")
+    keyed = "messages keyed with HMAC-SHA256" if pd.get("keyed") else "messages NOT keyed"
+    print(f"PD: {n} shared-KV prefill ranks -> 1 decode process (owned-page transfer over Mooncake TCP; {keyed})")
     if not pd["committed"]:
         for key, why in pd["failures"].items():
             print(f"  request {key}: {why}")

@@ -5,10 +5,14 @@ transfer -> greedy decode on a non-CP decode instance, checked against the singl
     ------------------------------------             ------------------------------
     shared-KV CP prefill of each chunk               pool = KVStore.replicated(...)   (cp_size 1)
     (KVStore shard, SharedCPKV, prefill_cp)          rx = OwnedPageReceiver(pool's buffers)
-    after a request's last chunk:                    rx.expect(request, pages, N)  -> dst pages
+    after a request's last chunk:                    rx.expect(request, pages, N, nonce) -> dst pages
       OwnedPageSender.send(rx.address, request,  ->  rx.wait(request): Committed
-                           its logical pages)        DecodeKV.adopt(request, dst pages, length)
+                           its logical pages, nonce) DecodeKV.adopt(request, dst pages, length)
     first token = argmax(last-token logits)      ->  greedy decode_step_pd(...) x steps
+
+Every message between them is keyed with a shared secret: SGLANG_NSA_CP_PD_SECRET when set, else
+a fresh random one this run hands its ranks (`run_pd(secret=...)`). Each request's use of its id
+carries a nonce the decode and the ranks both get from here, as a router would give them.
 
 The oracle runs the same chunks through `reference.single` (SlotKVCache + prefill_single) and the
 same greedy decode with `decode_step`. The check: identical decoded tokens; the decode pool's KV
@@ -30,6 +34,7 @@ request's aux (metadata) buffer after the KV.
 
 from __future__ import annotations
 
+import secrets
 import time
 from typing import Hashable, Sequence
 
@@ -46,7 +51,9 @@ from sglang_nsa_cp.disagg import (
     OwnedPageSender,
     PageAllocator,
     coalesce_runs,
+    new_nonce,
 )
+from sglang_nsa_cp.disagg.auth import FROM_ENV, SGLANG_NSA_CP_PD_SECRET
 from sglang_nsa_cp.layout import OwnerClassedAllocator, RequestPageTable
 from sglang_nsa_cp.oracle import DTYPES, PATH_SPLIT_MODES, RTOL, Scenario, build_model, rel_err
 from sglang_nsa_cp.reference import DenseKV, DSAModel, SlotKVCache, SynchronousKV, decode_step, prefill_single
@@ -152,7 +159,8 @@ def _last_chunk(s: Scenario) -> dict[str, int]:
     return {key: c for c, chunk in enumerate(s.chunks) for key, _ in chunk}
 
 
-def prefill_rank(rank: int, world: int, group, s: Scenario, decode_address: str, engine_config: EngineConfig) -> dict:
+def prefill_rank(rank: int, world: int, group, s: Scenario, decode_address: str, engine_config: EngineConfig,
+                 nonces: dict[str, int], secret: bytes | None) -> dict:
     """Shared-KV CP prefill of every chunk; each request's owned pages go to the decode after the
     chunk that finishes it. Call through `run_ranks`."""
     start = time.perf_counter()
@@ -163,7 +171,8 @@ def prefill_rank(rank: int, world: int, group, s: Scenario, decode_address: str,
         cp_size=world, rank=rank, num_layers=cfg.num_layers, num_pages=s.num_pages(), page_size=s.page_size,
         latent_dim=cfg.latent_dim, latent_dtype=DTYPES[s.dtype],
     )
-    sender = OwnedPageSender(KVBuffers(store.latent, store.index, s.page_size), rank, world, engine_config=engine_config)
+    sender = OwnedPageSender(KVBuffers(store.latent, store.index, s.page_size), rank, world,
+                             engine_config=engine_config, secret=secret)
     last_chunk = _last_chunk(s)
     counter = TrafficCounter()
     logits, sends = [], {}
@@ -175,7 +184,7 @@ def prefill_rank(rank: int, world: int, group, s: Scenario, decode_address: str,
             logits.append(prefill_cp(model, torch.cat(ids), kv, narrow_tail=True))
             for key in keys:
                 if last_chunk[key] == c:  # finished: send the whole request once
-                    sends[key] = sender.send(decode_address, key, table.pages[key])
+                    sends[key] = sender.send(decode_address, key, table.pages[key], nonce=nonces[key])
     finally:
         sender.close()
     return {
@@ -259,11 +268,15 @@ def run_pd(
     timeout_s: float = 300.0,
     engine: MooncakeEngine | None = None,
     engine_config: EngineConfig = EngineConfig(),
+    secret=FROM_ENV,
 ) -> dict:
     """Prefill `s` on s.cp_size spawned shared-KV ranks, transfer to a decode pool in this
-    process, decode `decode_steps` tokens greedily; compare with the single-rank oracle."""
+    process, decode `decode_steps` tokens greedily; compare with the single-rank oracle.
+    secret: the PD key (FROM_ENV: SGLANG_NSA_CP_PD_SECRET, or a fresh random one when unset)."""
     if decode_steps < 0:
         raise ValueError(f"decode_steps must be >= 0, got {decode_steps}")
+    if secret == FROM_ENV:
+        secret = SGLANG_NSA_CP_PD_SECRET.get() or secrets.token_bytes(32)
     start = time.perf_counter()
     model = build_model(s)
     cfg, ps, dtype = model.config, s.page_size, DTYPES[s.dtype]
@@ -294,13 +307,18 @@ def run_pd(
         num_layers=cfg.num_layers, num_pages=pool_pages, page_size=ps, latent_dim=cfg.latent_dim, latent_dtype=dtype
     )
     rx = OwnedPageReceiver(
-        KVBuffers(pool.latent, pool.index, ps), engine=engine, engine_config=engine_config, timeout_s=timeout_s
+        KVBuffers(pool.latent, pool.index, ps), engine=engine, engine_config=engine_config, timeout_s=timeout_s,
+        secret=secret,
     )
-    report: dict = {"cp_size": s.cp_size, "decode_steps": decode_steps, "decode_pool_pages": pool_pages}
+    report: dict = {"cp_size": s.cp_size, "decode_steps": decode_steps, "decode_pool_pages": pool_pages,
+                    "keyed": secret is not None}
     try:
-        dst = {key: rx.expect(key, _pages(n, ps), s.cp_size) for key, n in lengths.items()}
+        nonces = {key: new_nonce() for key in keys}
+        dst = {key: rx.expect(key, _pages(n, ps), s.cp_size, nonce=nonces[key]) for key, n in lengths.items()}
         prefill_start = time.perf_counter()
-        ranks = run_ranks(prefill_rank, s.cp_size, args=(s, rx.address, engine_config), timeout_s=timeout_s)
+        ranks = run_ranks(
+            prefill_rank, s.cp_size, args=(s, rx.address, engine_config, nonces, secret), timeout_s=timeout_s
+        )
         report["prefill_seconds"] = time.perf_counter() - prefill_start
         statuses = {key: rx.wait(key, timeout_s=30) for key in keys}
         failed = {k: repr(st) for k, st in statuses.items() if not isinstance(st, Committed)}

@@ -15,8 +15,10 @@ commits the request only when every position arrived exactly once from its owner
     decode: both manifests in, 0..5 each once from page % 2, checksums match -> Committed
 
 Modules: buffers (paged byte views of the pools), plan (owned pages, runs, batches),
-checksum, protocol (ZMQ messages), engine (Mooncake), sender, receiver, commit (the rule),
-allocator (decode free list). See docs/disagg.md. Needs pyzmq and Mooncake, imported only here.
+checksum, protocol (typed ZMQ messages), auth (the shared secret, keyed MACs), engine (Mooncake),
+sender, receiver, transfers (the decode's bookkeeping: uses, early messages, fences), commit (the
+rule), allocator (decode free list). See docs/disagg.md. Needs pyzmq, msgspec and Mooncake,
+imported only here.
 """
 
 from sglang_nsa_cp.disagg.allocator import OutOfDecodePages, PageAllocator
@@ -31,15 +33,9 @@ from sglang_nsa_cp.disagg.plan import (
     coalesce_runs,
     plan_owned_pages,
 )
-from sglang_nsa_cp.disagg.protocol import Manifest, ProtocolError
-from sglang_nsa_cp.disagg.receiver import (
-    Committed,
-    Failed,
-    OwnedPageReceiver,
-    Pending,
-    RankStats,
-    ReceiverStats,
-)
+from sglang_nsa_cp.disagg.protocol import Manifest, ProtocolError, new_nonce
+from sglang_nsa_cp.disagg.receiver import OwnedPageReceiver
+from sglang_nsa_cp.disagg.status import Committed, Failed, Pending, RankStats, ReceiverStats
 from sglang_nsa_cp.disagg.sender import OwnedPageSender, SendResult, SenderStats
 
 __all__ = [
@@ -69,6 +65,7 @@ __all__ = [
     "check_coverage",
     "coalesce_runs",
     "find_corrupt",
+    "new_nonce",
     "page_checksums",
     "plan_owned_pages",
 ]

@@ -2,15 +2,13 @@
 
 Handing out the lowest free pages keeps a request's destination pages mostly consecutive, which
 lets a prefill rank coalesce runs into fewer transfers. Pages of a failed request whose writes may
-still be in flight (a rank fetched the destinations and never reported) are held back for a
-while before reuse, so a late write cannot land in another request's pages.
+still be in flight come back only when the receiver's fence lifts (transfers.py), never on a timer.
 """
 
 from __future__ import annotations
 
 import heapq
 import threading
-import time
 from typing import Iterable, Sequence
 
 
@@ -24,38 +22,25 @@ class PageAllocator:
         self.num_pages = num_pages
         self._free = [p for p in range(num_pages) if p not in reserved]
         heapq.heapify(self._free)
-        self._held: list[tuple[float, list[int]]] = []  # (release time, pages)
         self._allocated: set[int] = set()
         self._lock = threading.Lock()
 
     @property
     def num_free(self) -> int:
         with self._lock:
-            self._reclaim()
             return len(self._free)
-
-    @property
-    def num_held(self) -> int:
-        with self._lock:
-            self._reclaim()
-            return sum(len(pages) for _, pages in self._held)
 
     def alloc(self, count: int) -> list[int]:
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
         with self._lock:
-            self._reclaim()
             if count > len(self._free):
-                raise OutOfDecodePages(
-                    f"need {count} decode pages, {len(self._free)} free of {self.num_pages} "
-                    f"({sum(len(p) for _, p in self._held)} held back after failures)"
-                )
+                raise OutOfDecodePages(f"need {count} decode pages, {len(self._free)} free of {self.num_pages}")
             pages = [heapq.heappop(self._free) for _ in range(count)]
             self._allocated.update(pages)
             return pages
 
-    def free(self, pages: Sequence[int], hold_s: float = 0.0) -> None:
-        """Return pages; with hold_s > 0 they become allocatable only after hold_s seconds."""
+    def free(self, pages: Sequence[int]) -> None:
         pages = [int(p) for p in pages]
         with self._lock:
             not_allocated = [p for p in pages if p not in self._allocated]
@@ -64,19 +49,5 @@ class PageAllocator:
                     f"freeing pages that are not allocated or listed twice: {not_allocated[:8]}"
                 )
             self._allocated.difference_update(pages)
-            if hold_s > 0:
-                self._held.append((time.monotonic() + hold_s, pages))
-            else:
-                for p in pages:
-                    heapq.heappush(self._free, p)
-
-    def _reclaim(self) -> None:
-        now = time.monotonic()
-        keep = []
-        for until, pages in self._held:
-            if until <= now:
-                for p in pages:
-                    heapq.heappush(self._free, p)
-            else:
-                keep.append((until, pages))
-        self._held = keep
+            for p in pages:
+                heapq.heappush(self._free, p)

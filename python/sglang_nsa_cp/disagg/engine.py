@@ -7,10 +7,14 @@ NIC names in `device_name`, the same call SGLang's MooncakeTransferEngine makes.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Iterable
 
 from sglang_nsa_cp.disagg.plan import TransferBatch
+
+logger = logging.getLogger(__name__)
+_warned_listening = False
 
 
 class TransferError(RuntimeError):
@@ -23,7 +27,12 @@ class EngineConfig:
     metadata_server: str = "P2PHANDSHAKE"
     protocol: str = "tcp"  # "rdma" on GPU nodes
     device_name: str = ""  # RDMA NICs, e.g. "mlx5_0,mlx5_1"; "" lets Mooncake choose
-    max_batch_entries: int = 0  # split batched writes into at most this many entries; 0: one batch
+    # Split batched writes into at most this many entries (0: one batch). Mooncake's TCP transport
+    # takes about 2048 transfers in flight per peer by default: past that batch_transfer_sync_write
+    # returns -1 (measured with mooncake-transfer-engine-non-cuda: one batch of 2049, or two
+    # concurrent ones of 2048; MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER=16384 lifts it). A 4096-page
+    # request with rotating owners needs 8192 entries per rank; 1024 leaves room for a second sender.
+    max_batch_entries: int = 1024
 
 
 class MooncakeEngine:
@@ -46,6 +55,7 @@ class MooncakeEngine:
             raise TransferError(f"TransferEngine.initialize{config} returned {rc}")
         self.session_id = f"{config.hostname}:{self._engine.get_rpc_port()}"
         self._registered: set[int] = set()
+        _warn_listening(config.hostname, self._engine.get_rpc_port())
 
     def register(self, regions: Iterable[tuple[int, int]]) -> None:
         """Register (ptr, nbytes) regions not registered yet."""
@@ -80,3 +90,18 @@ class MooncakeEngine:
                     f"(entries {start}..{min(end, len(batch)) - 1} of {len(batch)})"
                 )
         return calls
+
+
+def _warn_listening(hostname: str, rpc_port: int) -> None:
+    # Measured with mooncake-transfer-engine-non-cuda: hostname 127.0.0.1 (and MC_TCP_BIND_ADDRESS)
+    # still leave both listeners on 0.0.0.0. Nothing here can narrow them; say so once.
+    global _warned_listening
+    if _warned_listening:
+        return
+    _warned_listening = True
+    logger.warning(
+        "Mooncake's TransferEngine listens on all interfaces whatever its hostname (%s here): its "
+        "handshake port %d and its TCP data port accept connections from any host that can reach "
+        "this one, and a peer that knows a registered buffer's address can write into it; keep "
+        "these ports behind a firewall (docs/disagg.md, threat model)", hostname, rpc_port,
+    )

@@ -1,136 +1,211 @@
-"""Bootstrap and manifest messages between prefill senders and the decode receiver (ZMQ, JSON).
+"""Messages between prefill senders and the decode receiver: typed, bounded, keyed (ZMQ, msgpack).
 
-The decode side binds one ROUTER socket; each prefill rank connects a DEALER. Per connection,
-then per request::
+The decode side binds one ROUTER socket; each prefill rank connects a DEALER. Every message is two
+frames, [MAC, body]: the body one of the msgspec Structs below (msgpack, strict: a field of the
+wrong type, a list past its bound or an unknown type is a `ProtocolError`, never a crash), the MAC
+`auth.sign(K, direction, body)` with the connection's session key (empty when keying is off).
+Per connection, then per use of a request id::
 
-    prefill rank r                                decode receiver
-    hello    {rank, cp_size, layout}        ->
-                                            <-    welcome {session_id, layout, dst_ptrs, num_pages}
-                                                  (or reject {reason}: layouts differ)
-    want     {request_id, rank, cp_size,    ->    held until receiver.expect(request_id, ...)
-              num_pages}                    <-    dest {request_id, dst_pages}  (request order)
-              (skipped by a rank that owns none of the request's pages)
-                                                  (or reject {request_id, reason})
+    prefill rank r                                     decode receiver
+    hello    {rank, cp_size, client_nonce}      ->
+                                                <-     challenge {server_nonce}      (unkeyed)
+    auth     {layout}, keyed with K             ->     nothing about the pool before this
+                                                <-     welcome {session_id, epoch, layout,
+                                                                dst_ptrs, num_pages}
+                                                       (or reject {code, reason})
+    want     {request_id, nonce, cp_size,       ->     "ready": starts the transfer deadline;
+              num_pages, num_owned}                    held until receiver.expect(request, nonce)
+                                                <-     dest {request_id, nonce, epoch, dst_pages}
+                                                       (empty for a rank owning no page)
     batch_transfer_sync_write: owned pages, every layer, kv + index, straight into dst pages
-    manifest {request_id, rank, cp_size,    ->    commit when all N manifests cover 0..n-1
-              num_pages, positions,               exactly once, each from its owner, and the
-              logical_pages, checksums,           checksums match what landed
-              nbytes, num_transfers}
-    abort    {request_id, rank, reason}     ->    (instead of a manifest, if the write failed)
+    manifest {request_id, nonce, rank, ...,     ->     commit when all N manifests cover 0..n-1
+              positions, logical_pages, checksums}     exactly once from the owners, sums match
+    abort    {request_id, nonce, reason,        ->     instead of a manifest: a write error
+              drained}                                 (drained False) or a cancel (True)
+                                                <-     cancel {request_id, nonce, reason}: the
+                                                       request failed; answer with abort/manifest
 
-JSON keeps an int request id an int (SGLang's bootstrap_room) and a str a str.
+`nonce` names one use of a request id: the decode's `expect()` and every rank's `send()` get the
+same one (from whoever routes the request: SGLang's bootstrap room plays that role), and every
+message of that use echoes it, so nothing of an earlier use of the id is taken for this one.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
-from typing import Any
+import secrets
+from typing import Annotated, Optional, Union
 
-HELLO, WELCOME, WANT, DEST, MANIFEST, ABORT, REJECT = (
-    "hello",
-    "welcome",
-    "want",
-    "dest",
-    "manifest",
-    "abort",
-    "reject",
-)
+import msgspec
+from msgspec import Meta, Struct
+
+from sglang_nsa_cp.disagg import auth
+
+VERSION = 2
+MAX_CP_SIZE = 1024
+MAX_REQUEST_PAGES = 1 << 20  # 64M tokens at 64-token pages
+MAX_BUFFERS = 4096  # kv + index per layer
+MAX_TEXT = 2048  # reasons and ids on the wire; longer reasons are cut when sent
+TO_DECODE, TO_PREFILL = b"to-decode", b"to-prefill"  # MAC labels of the two directions
+
+Int64 = Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+Count = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
+RequestId = Union[Int64, Annotated[str, Meta(max_length=256)]]
+Nonce = Annotated[int, Meta(ge=1, le=(1 << 63) - 1)]
+Rank = Annotated[int, Meta(ge=0, lt=MAX_CP_SIZE)]
+CpSize = Annotated[int, Meta(ge=1, le=MAX_CP_SIZE)]
+NumPages = Annotated[int, Meta(ge=1, le=MAX_REQUEST_PAGES)]
+Pages = Annotated[tuple[Count, ...], Meta(max_length=MAX_REQUEST_PAGES)]
+Text = Annotated[str, Meta(max_length=MAX_TEXT)]
+Nonce16 = Annotated[bytes, Meta(min_length=16, max_length=16)]
 
 
 class ProtocolError(ValueError):
-    """A message that does not follow the protocol (wrong type or missing field)."""
+    """A message that does not follow the protocol: undecodable, wrongly typed, unkeyed or
+    mis-keyed. Its text is bounded (MAX_TEXT) so it can be logged as it is."""
 
 
-def check_request_id(request_id: Any) -> None:
-    if isinstance(request_id, bool) or not isinstance(request_id, (int, str)):
-        raise TypeError(f"request_id must be an int or str, got {type(request_id).__name__}")
+class _Msg(Struct, frozen=True, forbid_unknown_fields=True, tag_field="type"):
+    pass
 
 
-def int_list_field(msg: dict, key: str) -> tuple[int, ...]:
-    value = msg.get(key)
-    if not isinstance(value, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
-        raise ProtocolError(f"field {key!r} must be a list of ints")
-    return tuple(value)
+class Layout(Struct, frozen=True, forbid_unknown_fields=True):
+    num_layers: Annotated[int, Meta(ge=1, le=MAX_BUFFERS // 2)]
+    page_size: Annotated[int, Meta(ge=1, le=1 << 20)]
+    kv_page_bytes: Count
+    index_page_bytes: Count
 
 
-def int_field(msg: dict, key: str) -> int:
-    value = msg.get(key)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ProtocolError(f"field {key!r} must be an int, got {value!r}")
-    return value
+class Hello(_Msg, tag="hello"):
+    rank: Rank
+    cp_size: CpSize
+    client_nonce: Nonce16
+    version: int = VERSION
 
 
-@dataclass(frozen=True)
-class Manifest:
-    """What one prefill rank says it wrote for one request.
+class Challenge(_Msg, tag="challenge"):
+    server_nonce: Nonce16
+
+
+class Auth(_Msg, tag="auth"):
+    layout: Layout
+
+
+class Welcome(_Msg, tag="welcome"):
+    session_id: Annotated[str, Meta(max_length=256)]
+    epoch: Nonce  # one per receiver instance: a restarted decode has another
+    layout: Layout
+    dst_ptrs: Annotated[tuple[Count, ...], Meta(max_length=MAX_BUFFERS)]
+    num_pages: Count
+
+
+class Want(_Msg, tag="want"):
+    request_id: RequestId
+    nonce: Nonce
+    cp_size: CpSize
+    num_pages: NumPages
+    num_owned: Count
+
+
+class Dest(_Msg, tag="dest"):
+    request_id: RequestId
+    nonce: Nonce
+    epoch: Nonce
+    dst_pages: Pages
+
+
+class Manifest(_Msg, tag="manifest"):
+    """What one prefill rank says it wrote for one use of a request.
 
     positions[i] is a request page position; logical_pages[i] the prefill's logical page id there
     (so the receiver can check owner == logical_pages[i] % cp_size == rank); checksums[i] the
     checksum.page_checksums value of that page over all layers and both kinds.
     """
 
-    request_id: int | str
-    rank: int
-    cp_size: int
-    num_pages: int  # pages in the whole request, as this rank sees it
-    positions: tuple[int, ...]
-    logical_pages: tuple[int, ...]
-    checksums: tuple[int, ...]
-    nbytes: int
-    num_transfers: int
-
-    def to_message(self) -> dict:
-        msg = asdict(self)
-        for key in ("positions", "logical_pages", "checksums"):
-            msg[key] = list(msg[key])
-        return {"type": MANIFEST, **msg}
-
-    @classmethod
-    def from_message(cls, msg: dict) -> "Manifest":
-        parse(msg, {MANIFEST})
-        manifest = cls(
-            request_id=msg["request_id"],
-            rank=int_field(msg, "rank"),
-            cp_size=int_field(msg, "cp_size"),
-            num_pages=int_field(msg, "num_pages"),
-            positions=int_list_field(msg, "positions"),
-            logical_pages=int_list_field(msg, "logical_pages"),
-            checksums=int_list_field(msg, "checksums"),
-            nbytes=int_field(msg, "nbytes"),
-            num_transfers=int_field(msg, "num_transfers"),
-        )
-        lengths = {len(manifest.positions), len(manifest.logical_pages), len(manifest.checksums)}
-        if len(lengths) != 1:
-            raise ProtocolError(
-                f"manifest of rank {manifest.rank}: positions, logical_pages and checksums have "
-                f"different lengths ({len(manifest.positions)}, {len(manifest.logical_pages)}, "
-                f"{len(manifest.checksums)})"
-            )
-        return manifest
+    request_id: RequestId
+    nonce: Nonce
+    rank: Rank
+    cp_size: CpSize
+    num_pages: NumPages  # pages in the whole request, as this rank sees it
+    positions: Pages
+    logical_pages: Pages
+    checksums: Pages
+    nbytes: Count
+    num_transfers: Count
 
 
-def encode(msg: dict) -> bytes:
-    return json.dumps(msg, separators=(",", ":")).encode()
+class Abort(_Msg, tag="abort"):
+    request_id: RequestId
+    nonce: Nonce
+    reason: Text
+    drained: bool  # False: a write may still be landing in the destination pages
 
 
-def decode(payload: bytes) -> Any:
+class Cancel(_Msg, tag="cancel"):
+    request_id: RequestId
+    nonce: Nonce
+    reason: Text
+
+
+class Reject(_Msg, tag="reject"):
+    code: Annotated[str, Meta(max_length=32)]  # REJECT_CODES
+    reason: Text
+    request_id: Optional[RequestId] = None
+    nonce: Optional[Nonce] = None
+    layout: Optional[Layout] = None
+
+
+REJECT_CODES = ("version", "auth", "layout", "unknown-peer", "request", "busy")
+_TO_DECODE = msgspec.msgpack.Decoder(Union[Hello, Auth, Want, Manifest, Abort])
+_TO_PREFILL = msgspec.msgpack.Decoder(Union[Challenge, Welcome, Dest, Reject, Cancel])
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def new_nonce() -> int:
+    """A fresh nonce for one use of a request id (or for a receiver's epoch)."""
+    return secrets.randbits(62) + 1
+
+
+def cut(text: str, limit: int = MAX_TEXT) -> str:
+    return text if len(text) <= limit else text[: limit - 15] + " ... (cut)"
+
+
+def check_request_id(request_id) -> None:
+    if isinstance(request_id, bool) or not isinstance(request_id, (int, str)):
+        raise TypeError(f"request_id must be an int or str, got {type(request_id).__name__}")
+    if isinstance(request_id, int) and not -(1 << 63) <= request_id < 1 << 63:
+        raise ValueError(f"request_id {request_id} does not fit in int64")
+    if isinstance(request_id, str) and len(request_id) > 256:
+        raise ValueError(f"request_id is {len(request_id)} characters long; at most 256")
+
+
+def check_nonce(nonce) -> None:
+    if isinstance(nonce, bool) or not isinstance(nonce, int) or not 1 <= nonce < 1 << 63:
+        raise ValueError(f"nonce must be an int in [1, 2**63), got {nonce!r:.40}; use protocol.new_nonce()")
+
+
+def max_message_bytes(num_pages: int) -> int:
+    """ZMQ_MAXMSGSIZE for a side whose requests have at most `num_pages` pages: a manifest is
+    3 ints per page (at most 9 msgpack bytes each) plus a few hundred bytes; a larger frame
+    closes the connection that sent it before anything parses it."""
+    return 4096 + 32 * min(num_pages, MAX_REQUEST_PAGES)
+
+
+def pack(key: bytes | None, label: bytes, msg: _Msg) -> list[bytes]:
+    body = _ENCODER.encode(msg)
+    return [auth.sign(key, label, body), body]
+
+
+def unpack(frames: list, key: bytes | None, label: bytes, keyed: bool = True):
+    """The message of [MAC, body] `frames`; ProtocolError (bounded text) when anything is off.
+    keyed=False skips the MAC check (hello and challenge, which come before any key)."""
+    if len(frames) != 2:
+        raise ProtocolError(f"expected 2 frames (MAC, body), got {len(frames)}")
+    mac, body = frames
+    # The MAC first: an unauthenticated body is never parsed past its frame count.
+    if keyed and (problem := auth.verify(key, label, body, mac)) is not None:
+        raise ProtocolError(problem)
+    decoder = _TO_DECODE if label == TO_DECODE else _TO_PREFILL
     try:
-        return json.loads(payload)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProtocolError(f"not a JSON message: {e}") from None
-
-
-def parse(msg: Any, expected: set[str]) -> dict:
-    """Check that `msg` is a dict of one of the `expected` types with a valid request_id."""
-    if not isinstance(msg, dict) or msg.get("type") not in expected:
-        got = msg.get("type") if isinstance(msg, dict) else type(msg).__name__
-        raise ProtocolError(f"expected a message of type {sorted(expected)}, got {got!r}")
-    if msg["type"] in (WANT, DEST, MANIFEST, ABORT):
-        try:
-            check_request_id(msg.get("request_id"))
-        except TypeError as e:
-            raise ProtocolError(f"{msg['type']}: {e}") from None
-    return msg
+        return decoder.decode(body)
+    except msgspec.DecodeError as e:
+        raise ProtocolError(cut(f"undecodable message ({len(body)} B): {e}", 300)) from None

@@ -4,22 +4,28 @@
     sender = OwnedPageSender(shard, rank=r, cp_size=N)
     sender.send(decode_address, request_id, logical_pages)   # req_to_token[req][::ps] // ps
 
-send() = plan (positions k with logical_pages[k] % N == r) -> fetch the decode's destination
+send() = plan (positions k with logical_pages[k] % N == r) -> connect (the keyed handshake,
+once per decode, again after a write error or a decode restart) -> fetch the decode's destination
 pages -> checksum the owned pages -> one batched write of every coalesced run, all layers, kv and
-index -> manifest. The steps are public so the SGLang hook can split them across its
-bootstrap and transfer threads, and tests can inject faults between them.
+index -> manifest. The steps are public so tests can inject faults between them. One sender may
+be shared by threads: every public method holds its lock, so their requests take turns (the
+socket is ZMQ's, single-threaded).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Sequence
 
+import msgspec
 import zmq
 
-from sglang_nsa_cp.disagg import protocol
+from sglang_nsa_cp.disagg import auth, protocol
 from sglang_nsa_cp.disagg.buffers import KVBuffers, check_same_layout
 from sglang_nsa_cp.disagg.checksum import page_checksums
 from sglang_nsa_cp.disagg.engine import EngineConfig, MooncakeEngine, TransferError
@@ -28,6 +34,20 @@ from sglang_nsa_cp.disagg.plan import (
     build_transfer_batch,
     coalesce_runs,
     plan_owned_pages,
+)
+from sglang_nsa_cp.disagg.protocol import (
+    TO_DECODE,
+    TO_PREFILL,
+    Abort,
+    Auth,
+    Cancel,
+    Challenge,
+    Dest,
+    Hello,
+    Manifest,
+    Reject,
+    Want,
+    Welcome,
 )
 
 logger = logging.getLogger(__name__)
@@ -59,15 +79,26 @@ class SenderStats:
         self.batches += result.num_batches
 
 
-@dataclass
+@dataclass(eq=False)
 class DecodePeer:
-    """One decode receiver as learned from its welcome message."""
+    """One decode receiver: the connection, and what its last welcome said."""
 
     address: str
     socket: zmq.Socket
-    session_id: str
-    dst_ptrs: list[int]  # per buffer, KVBuffers.flat() order
-    num_pages: int  # pages in the decode pool
+    key: bytes | None = None  # session key of the current handshake
+    session_id: str = ""
+    epoch: int = 0
+    dst_ptrs: list[int] = field(default_factory=list)  # per buffer, KVBuffers.flat() order
+    num_pages: int = 0  # pages in the decode pool
+    fresh: bool = False  # False: handshake (again) before the next request
+
+
+class _Rehandshake(Exception):
+    """The decode forgot this connection (it restarted) or answered from another epoch."""
+
+
+_UNKEYED_REJECTS = ("version", "auth", "unknown-peer")  # sent before, or without, a session key
+_MAX_CANCELLED = 4096
 
 
 class OwnedPageSender:
@@ -80,37 +111,39 @@ class OwnedPageSender:
         engine: MooncakeEngine | None = None,
         engine_config: EngineConfig = EngineConfig(),
         timeout_s: float = 30.0,
+        secret=auth.FROM_ENV,
     ):
         if not isinstance(buffers, KVBuffers):
             raise TypeError(f"buffers must be KVBuffers, got {type(buffers).__name__}")
-        if cp_size < 1 or not 0 <= rank < cp_size:
-            raise ValueError(f"need 0 <= rank < cp_size, got rank={rank}, cp_size={cp_size}")
+        if not 1 <= cp_size <= protocol.MAX_CP_SIZE or not 0 <= rank < cp_size:
+            raise ValueError(f"need 0 <= rank < cp_size <= {protocol.MAX_CP_SIZE}, got rank={rank}, cp_size={cp_size}")
         self.buffers, self.rank, self.cp_size, self.timeout_s = buffers, rank, cp_size, timeout_s
+        self._secret = auth.pd_secret(secret)
         self.engine = engine or MooncakeEngine(engine_config)
         self.engine.register((b.data_ptr, b.nbytes) for b in buffers.flat())
         self.stats = SenderStats()
+        self._lock = threading.RLock()
         self._context = zmq.Context()
         self._peers: dict[str, DecodePeer] = {}
+        self._cancelled: OrderedDict[tuple, str] = OrderedDict()  # (request_id, nonce) -> reason
+        self._closed = False
 
-    def send(
-        self, decode_address: str, request_id: int | str, logical_pages: Sequence[int]
-    ) -> SendResult:
-        """Send this rank's owned pages of one request and its manifest; raise on failure.
+    def send(self, decode_address: str, request_id: int | str, logical_pages: Sequence[int], *,
+             nonce: int) -> SendResult:
+        """Send this rank's owned pages of one use of a request and its manifest; raise on failure.
 
         logical_pages: the request's logical page ids in position order (all ranks pass the
-        same list); decode_address: the receiver's ZMQ endpoint (OwnedPageReceiver.address).
+        same list); nonce: this use's, as the decode's expect() got it; decode_address: the
+        receiver's ZMQ endpoint (OwnedPageReceiver.address).
         """
-        owned = self.plan(logical_pages)
-        peer = self.connect(decode_address)
-        # A rank owning none of the pages skips `want` but still reports, so the decode knows
-        # it is done.
-        dst_pages = []
-        if owned.positions:
-            dst_pages = self.fetch_destination(peer, request_id, owned.num_pages)
-        checksums = self.checksum(owned)
-        result = self.write(peer, request_id, owned, dst_pages)
-        self.send_manifest(peer, request_id, owned, checksums, result)
-        return result
+        with self._lock:
+            owned = self.plan(logical_pages)
+            peer = self.connect(decode_address)
+            dst_pages = self.fetch_destination(peer, request_id, nonce, owned)
+            checksums = self.checksum(owned)
+            result = self.write(peer, request_id, nonce, owned, dst_pages)
+            self.send_manifest(peer, request_id, nonce, owned, checksums, result)
+            return result
 
     def plan(self, logical_pages: Sequence[int]) -> OwnedPages:
         owned = plan_owned_pages(logical_pages, self.rank, self.cp_size)
@@ -121,89 +154,134 @@ class OwnedPageSender:
                 f"rank {self.rank}/{self.cp_size}: logical pages {beyond[:8]} map past this "
                 f"shard's {self.buffers.num_pages} local pages (local page = page // cp_size)"
             )
+        if not 1 <= owned.num_pages <= protocol.MAX_REQUEST_PAGES:
+            raise ValueError(f"a request has 1 to {protocol.MAX_REQUEST_PAGES} pages, got {owned.num_pages}")
         return owned
 
     def connect(self, address: str) -> DecodePeer:
-        """Handshake with a decode receiver once; later calls reuse the connection."""
-        if address in self._peers:
-            return self._peers[address]
-        sock = self._context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, int(self.timeout_s * 1000))  # flush a last manifest on close
-        sock.connect(address)
-        hello = {"type": protocol.HELLO, "rank": self.rank, "cp_size": self.cp_size,
-                 "layout": self.buffers.layout()}
-        try:
-            reply = self._ask(sock, hello, protocol.WELCOME, None, f"handshake with {address}",
-                              return_reject=True)
-            # Checked here too, so a layout mismatch is a ValueError on the prefill side.
-            layout = reply.get("layout") if isinstance(reply.get("layout"), dict) else {}
-            check_same_layout(self.buffers.layout(), layout, "prefill", "decode")
-            if reply["type"] == protocol.REJECT:
-                raise TransferError(f"decode at {address} refused the handshake: {reply['reason']}")
-            dst_ptrs = list(protocol.int_list_field(reply, "dst_ptrs"))
-            if len(dst_ptrs) != len(self.buffers.flat()):
-                raise protocol.ProtocolError(f"welcome lists {len(dst_ptrs)} decode buffers")
-            peer = DecodePeer(address, sock, str(reply["session_id"]), dst_ptrs,
-                              protocol.int_field(reply, "num_pages"))
-        except BaseException:
-            sock.close(linger=0)
-            raise
-        self._peers[address] = peer
-        return peer
+        """The decode receiver at `address`, handshaken: once, and again after a write error, a
+        timeout or a decode restart (the decode's new session and pointers)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this OwnedPageSender is closed")
+            peer = self._peers.get(address)
+            if peer is None:
+                sock = self._context.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, int(self.timeout_s * 1000))  # flush a last manifest on close
+                sock.setsockopt(zmq.MAXMSGSIZE, protocol.max_message_bytes(protocol.MAX_REQUEST_PAGES))
+                sock.connect(address)
+                peer = self._peers[address] = DecodePeer(address, sock)
+            if not peer.fresh:
+                self._handshake(peer)
+            return peer
 
-    def fetch_destination(
-        self, peer: DecodePeer, request_id: int | str, num_pages: int
-    ) -> list[int]:
-        """The decode's destination page for every request position (request order)."""
+    def fetch_destination(self, peer: DecodePeer, request_id: int | str, nonce: int,
+                          owned: OwnedPages) -> list[int]:
+        """The decode's destination page for every request position (request order); empty for a
+        rank that owns none of the request's pages. Sending the want tells the decode this
+        rank is ready."""
         protocol.check_request_id(request_id)
-        want = {"type": protocol.WANT, "request_id": request_id, "rank": self.rank,
-                "cp_size": self.cp_size, "num_pages": num_pages}
-        reply = self._ask(peer.socket, want, protocol.DEST, request_id,
-                          f"destination pages of request {request_id!r}")
-        return list(protocol.int_list_field(reply, "dst_pages"))
+        protocol.check_nonce(nonce)
+        want = Want(request_id, nonce, self.cp_size, owned.num_pages, len(owned.positions))
+        what = f"destination pages of request {request_id!r}"
+        with self._lock:
+            for attempt in range(2):
+                try:
+                    dest = self._ask(peer, want, (Dest, Reject), (request_id, nonce), what)
+                    if dest.epoch != peer.epoch:
+                        raise _Rehandshake(f"the decode answered from epoch {dest.epoch}, not {peer.epoch}")
+                    return list(dest.dst_pages)
+                except _Rehandshake as e:
+                    logger.info("rank %d: handshake with %s again: %s", self.rank, peer.address, e)
+                    peer.fresh = False
+                    if attempt:
+                        raise TransferError(f"decode at {peer.address} keeps forgetting this rank: {e}") from None
+                    self.connect(peer.address)
+                except TransferError as e:
+                    # Destinations that come after this rank gave up must not wait for its manifest.
+                    self._abort(peer, request_id, nonce, f"rank {self.rank} gave up: {e}", drained=True)
+                    raise
+            raise AssertionError("unreachable")
 
     def checksum(self, owned: OwnedPages) -> list[int]:
         """checksum.page_checksums of the owned pages, in owned.positions order."""
         return page_checksums(self.buffers, owned.local_pages).tolist()
 
-    def write(
-        self, peer: DecodePeer, request_id, owned: OwnedPages, dst_pages: Sequence[int]
-    ) -> SendResult:
+    def write(self, peer: DecodePeer, request_id, nonce: int, owned: OwnedPages,
+              dst_pages: Sequence[int]) -> SendResult:
         """One batched write of the owned pages; on failure tell the decode, then raise."""
         start = time.monotonic()
         if not owned.positions:
             return SendResult(request_id, 0, 0, 0, 0, 0.0)
-        self._check_destination(peer, owned, dst_pages)
-        dst = [dst_pages[k] for k in owned.positions]
-        runs = coalesce_runs(owned.local_pages, dst)
-        batch = build_transfer_batch(self.buffers, peer.dst_ptrs, runs)
-        try:
-            num_batches = self.engine.write(peer.session_id, batch)
-        except TransferError as e:
-            self._send(peer.socket, {"type": protocol.ABORT, "request_id": request_id,
-                                     "rank": self.rank, "reason": str(e)})
-            raise
-        result = SendResult(request_id, len(owned.positions), batch.nbytes, len(batch),
-                            num_batches, time.monotonic() - start)
-        self.stats.add(result)
-        return result
+        with self._lock:
+            try:
+                self._check_destination(peer, owned, dst_pages)
+            except ValueError as e:
+                self._abort(peer, request_id, nonce, f"rank {self.rank} wrote nothing: {e}", drained=True)
+                raise
+            self._absorb(peer)
+            if (reason := self._cancelled.get((request_id, nonce))) is not None:
+                self._abort(peer, request_id, nonce, "cancelled before any byte was written", drained=True)
+                raise TransferError(f"the decode cancelled request {request_id!r}: {reason}")
+            dst = [dst_pages[k] for k in owned.positions]
+            batch = build_transfer_batch(self.buffers, peer.dst_ptrs, coalesce_runs(owned.local_pages, dst))
+            try:
+                num_batches = self.engine.write(peer.session_id, batch)
+            except TransferError as e:
+                # A failed sync write may still have slices in flight: not drained. The next
+                # request handshakes again (the decode may have restarted: new session, pointers).
+                self._abort(peer, request_id, nonce, str(e), drained=False)
+                peer.fresh = False
+                logger.error("rank %d: request %r failed mid-write; the decode keeps its pages fenced until "
+                             "this sender closes (nothing shows the write drained)", self.rank, request_id)
+                raise
+            result = SendResult(request_id, len(owned.positions), batch.nbytes, len(batch),
+                                num_batches, time.monotonic() - start)
+            self.stats.add(result)
+            return result
 
-    def send_manifest(self, peer: DecodePeer, request_id, owned: OwnedPages,
+    def send_manifest(self, peer: DecodePeer, request_id, nonce: int, owned: OwnedPages,
                       checksums: Sequence[int], result: SendResult) -> None:
-        manifest = protocol.Manifest(
-            request_id=request_id, rank=owned.rank, cp_size=owned.cp_size,
+        manifest = Manifest(
+            request_id=request_id, nonce=nonce, rank=owned.rank, cp_size=owned.cp_size,
             num_pages=owned.num_pages, positions=owned.positions,
             logical_pages=owned.logical_pages, checksums=tuple(checksums),
             nbytes=result.nbytes, num_transfers=result.num_transfers,
         )
-        self._send(peer.socket, manifest.to_message())
+        with self._lock:
+            self._send(peer, manifest)
 
     def close(self) -> None:
-        for peer in self._peers.values():
-            peer.socket.close(linger=1000)  # a last manifest gets a second, a dead peer no more
-        self._peers.clear()
-        self.engine.unregister(b.data_ptr for b in self.buffers.flat())
-        self._context.term()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for peer in self._peers.values():
+                peer.socket.close(linger=1000)  # a last manifest gets a second, a dead peer no more
+            self._peers.clear()
+            self.engine.unregister(b.data_ptr for b in self.buffers.flat())
+            self._context.term()
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _handshake(self, peer: DecodePeer) -> None:
+        what = f"handshake with {peer.address}"
+        client_nonce = os.urandom(16)
+        peer.key = None
+        try:
+            challenge = self._ask(peer, Hello(self.rank, self.cp_size, client_nonce), (Challenge, Reject), None, what)
+            peer.key = auth.session_key(self._secret, client_nonce, challenge.server_nonce, self.rank, self.cp_size)
+            layout = self.buffers.layout()
+            welcome = self._ask(peer, Auth(protocol.Layout(**layout)), (Welcome, Reject), None, what)
+        except _Rehandshake as e:
+            raise TransferError(f"decode at {peer.address} refused the handshake: {e}") from None
+        # Checked here too, so a layout mismatch is a ValueError on the prefill side.
+        check_same_layout(layout, msgspec.structs.asdict(welcome.layout), "prefill", "decode")
+        if len(welcome.dst_ptrs) != len(self.buffers.flat()):
+            raise TransferError(f"decode at {peer.address} lists {len(welcome.dst_ptrs)} buffers, this "
+                                f"rank has {len(self.buffers.flat())}")
+        peer.session_id, peer.epoch = welcome.session_id, welcome.epoch
+        peer.dst_ptrs, peer.num_pages, peer.fresh = list(welcome.dst_ptrs), welcome.num_pages, True
 
     def _check_destination(self, peer: DecodePeer, owned: OwnedPages, dst_pages) -> None:
         if len(dst_pages) != owned.num_pages:
@@ -217,22 +295,58 @@ class OwnedPageSender:
                 f"destination pages {bad[:8]} outside the decode pool of {peer.num_pages}"
             )
 
-    def _send(self, sock: zmq.Socket, msg: dict) -> None:
-        sock.send(protocol.encode(msg))
+    def _abort(self, peer: DecodePeer, request_id, nonce: int, reason: str, drained: bool) -> None:
+        if peer.session_id:  # a handshake finished once: keyed with that session's key
+            self._send(peer, Abort(request_id, nonce, protocol.cut(reason), drained=drained))
 
-    def _ask(self, sock: zmq.Socket, msg: dict, reply_type: str, request_id, what: str,
-             return_reject: bool = False) -> dict:
-        """Send `msg`, wait for the matching reply; replies to older requests are dropped."""
-        self._send(sock, msg)
+    def _send(self, peer: DecodePeer, msg) -> None:
+        peer.socket.send_multipart(protocol.pack(peer.key, TO_DECODE, msg))
+
+    def _receive(self, peer: DecodePeer, frames: list):
+        """A reply from the decode, or None (logged) when it is not a valid one."""
+        try:
+            msg = protocol.unpack(frames, None, TO_PREFILL, keyed=False)
+            unkeyed = isinstance(msg, Challenge) or (isinstance(msg, Reject) and msg.code in _UNKEYED_REJECTS)
+            if not (unkeyed and not frames[0]) and (problem := auth.verify(
+                    peer.key, TO_PREFILL, frames[1], frames[0])) is not None:
+                raise protocol.ProtocolError(problem)
+        except protocol.ProtocolError as e:
+            logger.warning("rank %d: dropping a message from %s: %s", self.rank, peer.address, e)
+            return None
+        if isinstance(msg, Cancel):
+            self._cancelled[(msg.request_id, msg.nonce)] = msg.reason
+            while len(self._cancelled) > _MAX_CANCELLED:
+                self._cancelled.popitem(last=False)
+            return None
+        return msg
+
+    def _absorb(self, peer: DecodePeer) -> None:
+        """Read what already arrived (cancels) without waiting."""
+        while peer.socket.poll(0):
+            self._receive(peer, peer.socket.recv_multipart())
+
+    def _ask(self, peer: DecodePeer, msg, reply_types: tuple, use: tuple | None, what: str):
+        """Send `msg`, wait for the reply of `use` (request_id, nonce; None in the handshake);
+        replies to older requests are dropped. A reject raises."""
+        self._send(peer, msg)
         deadline = time.monotonic() + self.timeout_s
         while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
-            if not sock.poll(left_ms):
+            if not peer.socket.poll(left_ms):
                 break
-            reply = protocol.parse(protocol.decode(sock.recv()), {reply_type, protocol.REJECT})
-            if reply.get("request_id") != request_id:
-                logger.debug("stale %s of request %r dropped", reply["type"], reply["request_id"])
+            reply = self._receive(peer, peer.socket.recv_multipart())
+            if reply is None or not isinstance(reply, reply_types):
                 continue
-            if reply["type"] == protocol.REJECT and not return_reject:
-                raise TransferError(f"decode rejected {what}: {reply.get('reason')}")
+            if isinstance(reply, Reject) and reply.code == "unknown-peer":
+                raise _Rehandshake(reply.reason)
+            if use is None and isinstance(reply, Reject) and reply.request_id is not None:
+                continue  # a late reject of some request, not of this handshake
+            if use is not None and (reply.request_id, reply.nonce) != use:
+                logger.debug("stale %s of request %r dropped", type(reply).__name__, reply.request_id)
+                continue
+            if isinstance(reply, Reject):
+                if reply.code == "layout" and reply.layout is not None:
+                    check_same_layout(self.buffers.layout(), msgspec.structs.asdict(reply.layout), "prefill", "decode")
+                raise TransferError(f"decode rejected {what}: {reply.reason}")
             return reply
+        peer.fresh = False
         raise TransferError(f"no answer from the decode for {what} within {self.timeout_s} s")

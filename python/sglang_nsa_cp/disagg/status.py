@@ -38,4 +38,5 @@ class RankStats:
 class ReceiverStats:
     committed: int = 0
     failed: int = 0
+    dropped: int = 0  # messages that did not decode, were not keyed right, or came unauthenticated
     per_rank: dict[int, RankStats] = field(default_factory=dict)  # from committed manifests

@@ -31,14 +31,17 @@ Patch ledger (target / why / how / upstream / when it can go):
 - Owned-page PD transfer -- disaggregation/common/conn.py (`CommonKVManager.__init__`,
   `_register_topology_row`, `conclude_transfer`, `_encode_kv_status_message`,
   `parse_kv_status_message`, `apply_prefill_status`; `CommonKVSender._prepare_send_indices`,
-  `clear`; `CommonKVReceiver._check_waiting_timeout`, `_clear`, all AROUND) and
+  `clear`; `CommonKVReceiver.send_metadata`, `_check_waiting_timeout`, `_clear`; the module's
+  `get_zmq_socket_on_host`, a pass-through except while a decode manager binds its status
+  socket, which gets ZMQ_MAXMSGSIZE; all AROUND) and
   disaggregation/mooncake/conn.py (`MooncakeKVManager.add_transfer_request`, `maybe_send_extra`,
   AROUND). Why: each CP rank holds only the pages it owns (p % N, local p // N), which is the rule
   of SGLang's own `--enable-kv-cache-sharding` transfer. How: make the shared-KV prefill manager a
   shard rank of that path (every CP rank sends its owned KV and index-K pages; the bootstrap
   advertises sharding so any decode pulls from all CP ranks), add a per-rank self-check before
-  Success, the failure reason on status messages and an owned-page manifest that a decode with the
-  plugin checks before it commits. Goes if SGLang keys its sharded transfer on the pool rather than
+  Success, the failure reason on status messages and an owned-page manifest (typed, bounded by the
+  decode's own request, keyed with SGLANG_NSA_CP_PD_SECRET when set) that a decode with the plugin
+  checks before it commits. Goes if SGLang keys its sharded transfer on the pool rather than
   on its own flag and checks coverage on the decode.
 
 The forward path itself (dense page tables for attention and the indexer, index-K writes and

@@ -3,6 +3,8 @@
 SGLang seals its own `EnvField` declarations once `sglang.srt.environ` is imported
 (`EnvField._allow_set_name = False`), so the plugin keeps a minimal equivalent with the same
 parsing and the same `.get()` / `.override()` surface.
+The PD secret, `SGLANG_NSA_CP_PD_SECRET`, is the core's (declared in `disagg/auth.py`, where the
+standalone protocol reads it); the plugin's Mooncake hooks read it through `auth.pd_secret()`.
 TODO(lead): move to `sglang_nsa_cp/envs.py` once that registry exists.
 """
 

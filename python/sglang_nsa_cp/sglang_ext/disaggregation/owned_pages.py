@@ -27,19 +27,21 @@ its owner, for the KV pages and for the index-K pages.
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional
 
+import msgspec
 import numpy as np
+from msgspec import Struct
 
+from sglang_nsa_cp.disagg import auth, protocol
 from sglang_nsa_cp.disagg.commit import check_coverage
 from sglang_nsa_cp.disagg.protocol import Manifest
 
 # Frame appended to the prefill's Success status message (after the reason frame). A stock
 # SGLang 0.5.23 decode reads frames [room, status, rank, reason] and ignores the rest.
-MANIFEST_TAG = b"nsa-cp-owned-pages/1 "
+MANIFEST_TAG = b"nsa-cp-owned-pages/2 "
 _SHOWN = 16
 
 
@@ -177,87 +179,122 @@ class OwnedPageLedger:
 
 
 # ---- the manifest on the wire ---------------------------------------------------------------------
-def encode_manifest(manifest: dict) -> bytes:
-    return MANIFEST_TAG + json.dumps(manifest, separators=(",", ":")).encode()
+class PageClaims(Struct, frozen=True, forbid_unknown_fields=True):
+    total: protocol.NumPages  # pages in the whole request, as the rank saw it
+    positions: protocol.Pages
+    pages: protocol.Pages
 
 
-def _int_list(value, what) -> list:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise ValueError(f"{what} must be a list of ints")
-    return value
+class RoomManifest(Struct, frozen=True, forbid_unknown_fields=True):
+    room: protocol.Int64
+    rank: protocol.Rank
+    cp_size: protocol.CpSize
+    kv: PageClaims
+    index: Optional[PageClaims] = None
 
 
-def _int(value, what) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{what} must be an int, got {value!r}")
-    return value
+_DECODER = msgspec.msgpack.Decoder(RoomManifest)
 
 
-def _pages(value, what) -> Optional[dict]:
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise ValueError(f"{what} must be an object")
-    positions = _int_list(value.get("positions"), f"{what}.positions")
-    pages = _int_list(value.get("pages"), f"{what}.pages")
-    if len(positions) != len(pages):
-        raise ValueError(f"{what} has {len(positions)} positions but {len(pages)} pages")
-    return {"total": _int(value.get("total"), f"{what}.total"), "positions": positions, "pages": pages}
+def _label(room: int, prefill_rank: int) -> bytes:
+    # The MAC binds a manifest to its room and to the rank whose status message carries it.
+    return f"nsa-cp-owned-pages|{room}|{prefill_rank}".encode()
 
 
-def decode_manifest(frame: bytes) -> dict:
-    """Parse a manifest frame; ValueError names what is malformed."""
+def max_manifest_bytes(num_pages: int) -> int:
+    """The largest frame a manifest of a `num_pages`-page request needs: 4 lists of at most
+    `num_pages` ints (9 msgpack bytes each at most), the MAC and a few hundred bytes."""
+    return 1024 + 36 * min(num_pages, protocol.MAX_REQUEST_PAGES)
+
+
+def encode_manifest(manifest: dict, room: int, prefill_rank: int, secret: Optional[bytes]) -> bytes:
+    """TAG | MAC length (0 or 32) | MAC | msgpack(RoomManifest); the MAC keyed with `secret`."""
+    body = msgspec.msgpack.encode(RoomManifest(
+        room=room, rank=manifest["rank"], cp_size=manifest["cp_size"], kv=PageClaims(**manifest["kv"]),
+        index=PageClaims(**manifest["index"]) if manifest["index"] is not None else None))
+    mac = auth.sign(secret, _label(room, prefill_rank), body)
+    return MANIFEST_TAG + bytes([len(mac)]) + mac + body
+
+
+class UnauthenticatedManifest(ValueError):
+    """A manifest frame that did not get as far as a valid MAC (size, shape or key)."""
+
+
+def decode_manifest(frame: bytes, *, room: int, prefill_rank: int, secret: Optional[bytes], max_pages: int) -> dict:
+    """The manifest of `frame` as a dict; ValueError (bounded text) names what is wrong,
+    UnauthenticatedManifest when the frame fails before its MAC checked out. The frame's size is
+    checked against `max_pages` (the decode's own request) and its MAC before anything parses it."""
     if not frame.startswith(MANIFEST_TAG):
-        raise ValueError("not an owned-page manifest frame")
+        raise UnauthenticatedManifest("not an owned-page manifest frame")
+    limit = max_manifest_bytes(max_pages)
+    if len(frame) > limit:
+        raise UnauthenticatedManifest(f"a manifest frame of {len(frame)} B, more than the {limit} B a "
+                                      f"request of {max_pages} pages needs")
+    head = len(MANIFEST_TAG)
+    mac_len = frame[head] if len(frame) > head else -1
+    if mac_len not in (0, auth.MAC_BYTES):
+        raise UnauthenticatedManifest(f"a manifest frame whose MAC is {mac_len} B long (0 or {auth.MAC_BYTES} expected)")
+    mac, body = frame[head + 1 : head + 1 + mac_len], frame[head + 1 + mac_len :]
+    if (problem := auth.verify(secret, _label(room, prefill_rank), body, mac)) is not None:
+        raise UnauthenticatedManifest(f"manifest: {problem}")
     try:
-        raw = json.loads(frame[len(MANIFEST_TAG) :])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"manifest is not JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ValueError("manifest must be a JSON object")
-    manifest = {
-        "rank": _int(raw.get("rank"), "rank"),
-        "cp_size": _int(raw.get("cp_size"), "cp_size"),
-        "kv": _pages(raw.get("kv"), "kv"),
-        "index": _pages(raw.get("index"), "index"),
-    }
-    if manifest["kv"] is None:
-        raise ValueError("manifest has no kv pages")
-    return manifest
+        m = _DECODER.decode(body)
+    except msgspec.DecodeError as e:
+        raise ValueError(protocol.cut(f"malformed manifest: {e}", 300)) from None
+    if m.room != room:
+        raise ValueError(f"a manifest of room {m.room} in a status message of room {room}")
+    for claims in (m.kv, m.index):
+        if claims is not None and len(claims.positions) != len(claims.pages):
+            raise ValueError(f"a manifest with {len(claims.positions)} positions but {len(claims.pages)} pages")
+
+    def pages(c):
+        return None if c is None else {"total": c.total, "positions": list(c.positions), "pages": list(c.pages)}
+
+    return {"rank": m.rank, "cp_size": m.cp_size, "kv": pages(m.kv), "index": pages(m.index)}
 
 
 # ---- the decode side's commit check ---------------------------------------------------------------
-def _coverage(kind: str, room: int, cp_size: int, by_rank: Mapping[int, dict]) -> list[str]:
-    totals = {m[kind]["total"] for m in by_rank.values()}
-    if len(totals) != 1:
-        return [f"{kind} page counts differ between ranks {sorted(totals)}"]
-    (total,) = totals
+@dataclass(frozen=True)
+class RoomExpectation:
+    """What the decode itself asked for in a room (`send_metadata`), which bounds every claim."""
+
+    kv_pages: int  # destination pages of the KV latent
+    index_pages: Optional[int]  # destination pages of the index-K (DSA state); None if none sent
+    cp_size: int  # the prefill CP size the decode targets
+
+    @property
+    def max_pages(self) -> int:
+        return max(self.kv_pages, self.index_pages or 0)
+
+
+def _coverage(kind: str, room: int, total: int, cp_size: int, by_rank: Mapping[int, dict]) -> list[str]:
+    name = "KV" if kind == "kv" else "index-K"
+    claimed = {rank: m[kind]["total"] for rank, m in by_rank.items() if m[kind]["total"] != total}
+    if claimed:
+        return [f"{name} page counts {claimed} (by CP rank) differ from the {total} the decode asked for"]
     manifests = {
         rank: Manifest(
-            request_id=room,
-            rank=rank,
-            cp_size=cp_size,
-            num_pages=total,
-            positions=tuple(m[kind]["positions"]),
-            logical_pages=tuple(m[kind]["pages"]),
-            checksums=(),
-            nbytes=0,
-            num_transfers=0,
+            request_id=room, nonce=1, rank=rank, cp_size=cp_size, num_pages=total,
+            positions=tuple(m[kind]["positions"]), logical_pages=tuple(m[kind]["pages"]), checksums=(),
+            nbytes=0, num_transfers=0,
         )
         for rank, m in by_rank.items()
     }
     # Silent CP ranks are reported once by the caller, not per buffer kind.
     report = dataclasses.replace(check_coverage(total, cp_size, manifests), silent_ranks=())
-    return [] if report.ok else [f"{'KV' if kind == 'kv' else 'index-K'} pages: {report.describe()}"]
+    return [] if report.ok else [f"{name} pages: {report.describe()}"]
 
 
-def verify_manifests(room: int, manifests: Mapping[int, object], responders: Iterable[int]) -> Optional[str]:
+def verify_manifests(room: int, manifests: Mapping[int, object], responders: Iterable[int],
+                     expected: RoomExpectation) -> Optional[str]:
     """The commit rule over every Success of a room (`manifests`: prefill unique rank -> decoded
     manifest, or the ValueError text of a malformed one). Returns the failure reason, or None.
 
-    Checked: every responder sent a well-formed manifest; one manifest per CP rank, all CP ranks
-    present and agreeing on cp_size and page counts; for the KV pages and (when sent) the index-K
-    pages, every position exactly once, each from its owner (logical page % N == CP rank).
+    Checked against the decode's own request (`expected`), never against what a prefill claims:
+    every responder sent a well-formed manifest; one manifest per CP rank of the CP size the
+    decode targets, all present; for the KV pages and the index-K pages, page counts equal to the
+    decode's destination counts and every position exactly once, each from its owner
+    (logical page % N == CP rank).
     """
     problems = []
     responders = sorted(set(responders))
@@ -265,32 +302,34 @@ def verify_manifests(room: int, manifests: Mapping[int, object], responders: Ite
     if without:
         problems.append(f"prefill rank(s) {without} reported success without an owned-page manifest")
     by_rank: dict[int, dict] = {}
+    cp_size = expected.cp_size
     for sender, manifest in sorted(manifests.items()):
         if isinstance(manifest, str):
             problems.append(f"malformed manifest from prefill rank {sender}: {manifest}")
             continue
         cp_rank = manifest["rank"]
-        if manifest["cp_size"] > 0 and sender % manifest["cp_size"] != cp_rank:
+        if manifest["cp_size"] != cp_size:
+            problems.append(f"prefill rank {sender} claims a CP group of {manifest['cp_size']}; the decode "
+                            f"targets {cp_size}")
+            continue
+        if sender % cp_size != cp_rank:
             problems.append(f"prefill rank {sender} sent a manifest for CP rank {cp_rank}")
         if cp_rank in by_rank:
             problems.append(f"two manifests for CP rank {cp_rank}")
             continue
         by_rank[cp_rank] = manifest
     if by_rank:
-        sizes = {m["cp_size"] for m in by_rank.values()}
-        if len(sizes) != 1:
-            problems.append(f"manifests disagree on the CP size {sorted(sizes)}")
-        else:
-            (cp_size,) = sizes
-            silent = [r for r in range(cp_size) if r not in by_rank]
-            if silent:
-                problems.append(f"no manifest from CP rank(s) {silent} of {cp_size}")
-            problems += _coverage("kv", room, cp_size, by_rank)
-            with_index = [r for r, m in by_rank.items() if m["index"] is not None]
-            if with_index and len(with_index) != len(by_rank):
-                problems.append(f"index-K pages reported by CP ranks {sorted(with_index)} only")
-            elif with_index:
-                problems += _coverage("index", room, cp_size, by_rank)
+        silent = [r for r in range(cp_size) if r not in by_rank]
+        if silent:
+            problems.append(f"no manifest from CP rank(s) {_show(silent)} of {cp_size}")
+        problems += _coverage("kv", room, expected.kv_pages, cp_size, by_rank)
+        with_index = sorted(r for r, m in by_rank.items() if m["index"] is not None)
+        if expected.index_pages is None and with_index:
+            problems.append(f"index-K pages reported by CP ranks {_show(with_index)}; the decode asked for none")
+        elif expected.index_pages is not None and len(with_index) != len(by_rank):
+            problems.append(f"index-K pages reported by CP ranks {_show(with_index)} only")
+        elif with_index:
+            problems += _coverage("index", room, expected.index_pages, cp_size, by_rank)
     if not problems:
         return None
     return f"owned-page transfer of room {room} is incomplete: " + "; ".join(problems)

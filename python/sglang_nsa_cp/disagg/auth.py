@@ -1,0 +1,103 @@
+"""The shared secret of a PD deployment and the keyed MACs built on it (HMAC-SHA256).
+
+Both PD paths read one secret from the environment, `SGLANG_NSA_CP_PD_SECRET` (declared here, the
+one place the core reads it; the SGLang plugin imports `pd_secret` from this module):
+
+    standalone protocol (protocol.py)           SGLang plugin (sglang_ext/disaggregation/)
+    hello {client nonce}             ->          the manifest frame of every Success status
+                        <- challenge {server nonce}    carries HMAC(secret, room | prefill rank |
+    auth  {layout}, MACed with K     ->                manifest); a decode with the secret
+                        <- welcome {pointers}, MACed   commits only rooms whose every Success
+    every later message MACed with K, both ways        carries a valid one
+    K = HMAC(secret, "session" | client nonce | server nonce | rank | cp_size)
+
+Without a secret nothing is keyed (the MAC frame is empty) and each process warns once. A secret
+on one side only fails the handshake with a message naming the variable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+MAC_BYTES = 32  # HMAC-SHA256
+MIN_SECRET_BYTES = 16
+FROM_ENV = "from-env"  # default of every `secret=` argument: read SGLANG_NSA_CP_PD_SECRET
+
+
+class EnvSecret:
+    """A secret env var read with `.get()`: bytes of the value, or None when unset or empty."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def get(self) -> bytes | None:
+        value = os.environ.get(self.name, "")
+        if not value:
+            return None
+        secret = value.encode()
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(
+                f"{self.name} is {len(secret)} bytes long; it must be at least {MIN_SECRET_BYTES} "
+                "(e.g. the output of `python -c 'import secrets; print(secrets.token_hex(32))'`), "
+                "the same on the decode and on every prefill rank"
+            )
+        return secret
+
+
+SGLANG_NSA_CP_PD_SECRET = EnvSecret("SGLANG_NSA_CP_PD_SECRET")
+
+_warned = False
+
+
+def pd_secret(secret=FROM_ENV) -> bytes | None:
+    """Resolve a `secret=` argument: FROM_ENV reads the environment; None turns keying off."""
+    global _warned
+    if secret == FROM_ENV:
+        secret = SGLANG_NSA_CP_PD_SECRET.get()
+    elif secret is not None and (not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES):
+        got = f"{len(secret)} bytes" if isinstance(secret, bytes) else type(secret).__name__  # never the value
+        raise ValueError(f"secret must be None or bytes, at least {MIN_SECRET_BYTES} of them; got {got}")
+    if secret is None and not _warned:
+        _warned = True
+        logger.warning(
+            "owned-page PD messages are not authenticated: anyone who reaches the decode's port can "
+            "forge a commit or fail a request; set %s (the same value on the decode and every "
+            "prefill rank) to key them", SGLANG_NSA_CP_PD_SECRET.name,
+        )
+    return secret
+
+
+def session_key(secret: bytes | None, client_nonce: bytes, server_nonce: bytes, rank: int, cp_size: int) -> bytes | None:
+    """K of one connection; None when keying is off."""
+    if secret is None:
+        return None
+    info = b"nsa-cp-pd session|" + client_nonce + server_nonce + f"|{rank}|{cp_size}".encode()
+    return hmac.new(secret, info, hashlib.sha256).digest()
+
+
+def sign(key: bytes | None, label: bytes, body: bytes) -> bytes:
+    """The MAC frame of `body`: HMAC(key, label | body), or b"" when keying is off. `label` keeps
+    one direction's or one room's messages from being replayed as another's."""
+    if key is None:
+        return b""
+    return hmac.new(key, label + b"|" + body, hashlib.sha256).digest()
+
+
+def verify(key: bytes | None, label: bytes, body: bytes, mac: bytes) -> str | None:
+    """None if `mac` is right for `body`, else why not (for a log line or a failure reason)."""
+    if key is None:
+        if mac:
+            return (f"the peer signs its messages but this side has no secret; set "
+                    f"{SGLANG_NSA_CP_PD_SECRET.name} on both sides or on neither")
+        return None
+    if not mac:
+        return (f"the peer does not sign its messages but this side has a secret; set "
+                f"{SGLANG_NSA_CP_PD_SECRET.name} on both sides or on neither")
+    if not hmac.compare_digest(mac, sign(key, label, body)):
+        return f"bad MAC: the peer's {SGLANG_NSA_CP_PD_SECRET.name} differs, or the message was altered"
+    return None
