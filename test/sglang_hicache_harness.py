@@ -264,7 +264,7 @@ def round_trip(group, n, num_pages, seed=0):
     loaded_rep = replicated.load_back(host_rep)
     assert not set(_pages(new)) & set(_pages(dev)), f"{n=}: load-back reused the source pages {_pages(new)}"
     return dict(
-        dev=_pages(dev), host=host_pages, new=_pages(new), dev_rep=_pages(dev_rep), new_rep=_pages(loaded_rep),
+        dev=_pages(dev), host=host_pages, new=_pages(new), new_rep=_pages(loaded_rep),
         content=content,
         # every rank's whole shard and host tier after the round trip, to check against the content
         shards=[[(t.pool.kv_buffer[l].clone(), t.pool.index_k_with_scale_buffer[l].clone()) for l in range(LAYERS)] for t in shared],
@@ -273,5 +273,4 @@ def round_trip(group, n, num_pages, seed=0):
         host_nbytes=[t.host_nbytes() for t in shared],
         replicated_host_nbytes=replicated.host_nbytes(),
         host_shapes=[[tuple(b.shape) for b in t.host_buffers()] for t in shared + [replicated]],
-        device_rows=[t.pool.kv_buffer[0].shape[0] for t in shared],
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""CPU, ~1 min (one spawned process): SGLang 0.5.23's HiCache host tier over the plugin's pool.
+"""CPU, ~1-1.5 min (one spawned process): SGLang 0.5.23's HiCache host tier over the plugin's pool.
 
 What runs is SGLang's own code (see sglang_hicache_harness.py for the list and the two stand-ins
 for CUDA-only pieces): its DSA host pools, built by its assembler from the device pool, and its
@@ -36,7 +36,7 @@ import sglang_hicache_harness as HC  # noqa: E402
 import sglang_model_harness as H  # noqa: E402
 from sglang_nsa_cp.comm import run_ranks  # noqa: E402
 
-register_cpu_ci(est_time=60, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=80, suite="nsa-cp-test-cpu")
 
 CASES = ((2, 5), (3, 7))  # (CP ranks, pages in the chain); chains start on owner 1 and wrap around
 
@@ -89,7 +89,7 @@ def test_each_rank_moves_only_its_own_pages(trips, case):
             written = {p // n for p in t["dev"] + t["new"] if p % n == rank}
             for local in range(idx.shape[0]):
                 if local in written:
-                    continue  # the source pages (poisoned after the write-back) and the loaded pages
+                    continue  # the chain's source pages and the pages it was loaded into
                 untouched = kv[local * HC.PAGE : (local + 1) * HC.PAGE].view(torch.uint8)
                 assert bool((untouched == 0xFF).all() and (idx[local] == 0xFF).all()), (
                     f"{n=}, rank {rank}, layer {layer}: local page {local} changed"
