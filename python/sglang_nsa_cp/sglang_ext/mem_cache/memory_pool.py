@@ -36,6 +36,11 @@ This is the contract of SGLang's own logical-page-sharded pools (`PageInterleave
 path needs no patch. The scratch holds two layers' dense views (double buffer), reserved at
 start-up for one context of history plus one chunk and grown if a batch needs more.
 `SGLANG_NSA_CP_PREFETCH=0` materializes each layer when it is first written instead (diagnosis).
+
+For SGLang's owner-sharded HiCache host tier the pool carries `placement` (SGLang's arithmetic for
+the same layout) and `host_capacity_tokens` (the rank's rows, which size its host pool), and its
+history gather waits for a layer's host load (`layer_transfer_counter`). The start-up check still
+refuses HiCache: the owner-classed allocator it also needs is not built (docs/sglang_plugin.md).
 """
 
 from __future__ import annotations
