@@ -271,6 +271,51 @@ def test_prefetch_gives_the_in_place_views_and_decides_alike_on_every_rank():
     assert 0 < outcome[0]["ahead"][1] < outcome[1]["ahead"][1]
 
 
+def _check_shard_ready(rank, world, group):
+    """A layer's history is gathered only after `shard_ready(layer)` returned: here the history
+    lands in the shard inside that call (as a host-tier load that the call waits for would), so a
+    gather issued before it would read the poison left in its place."""
+    page_size, num_pages = 16, 32 * world
+    table = RequestPageTable(OwnerClassedAllocator(num_pages, world), page_size)
+    store = KVStore(num_layers=3, num_pages=num_pages, page_size=page_size, cp_size=world, rank=rank, latent_dim=24)
+    table.schedule(["a"], [150], "interleave")
+    for layer in range(3):
+        latent, key, scale = _logical_kv(150, 24, torch.bfloat16, layer)
+        store.write(layer, table.slots("a"), latent, key, scale)
+    _, batch = table.schedule(["a"], [20], "interleave")
+    plan = _plan(batch, store, rank)
+
+    history = plan.page_pos[torch.unique(table.slots("a")[:150] // page_size)]  # dense pages of the history
+
+    def gathered(prefetcher):
+        prefetcher.begin(plan)
+        out = [tuple(t[history].clone() for t in prefetcher.acquire(layer) if t is not None) for layer in range(3)]
+        prefetcher.end()
+        return out
+
+    want = gathered(HistoryPrefetcher(store, group))
+    landed = [(store.latent[layer].clone(), store.index[layer].clone()) for layer in range(3)]
+    for layer in range(3):
+        store.latent[layer].view(torch.uint8).fill_(0xFF)
+        store.index[layer].fill_(0xFF)
+    calls = []
+
+    def shard_ready(layer):
+        calls.append(layer)
+        store.latent[layer].copy_(landed[layer][0])
+        store.index[layer].copy_(landed[layer][1])
+
+    got = gathered(HistoryPrefetcher(store, group, shard_ready=shard_ready))
+    for layer in range(3):
+        assert all(torch.equal(g, w) for g, w in zip(got[layer], want[layer])), f"{rank=}, {layer=}: gathered before it landed"
+    return calls
+
+
+def test_history_is_gathered_only_after_the_shard_is_ready():
+    per_rank = run_ranks(_check_shard_ready, 2, timeout_s=120)
+    assert per_rank == [[0, 1, 2]] * 2, per_rank
+
+
 def test_plan_places_each_page_once_with_history_owner_major():
     """The module docstring's example: N = 2, page size 4, A = 9 cached + 6 new tokens on pages
     6, 3, 9, 4; B new on page 8."""

@@ -33,7 +33,7 @@ The original design's Phase 8 prefetch (`cp_shared_kv_prefetch`).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -63,8 +63,12 @@ class HistoryPrefetcher:
         enabled: bool = True,
         min_pages_per_rank: int = MIN_PAGES_PER_RANK,
         counter: TrafficCounter | None = None,
+        shard_ready: Callable[[int], None] | None = None,
     ):
         self.store, self.group = store, group
+        # Called with a layer on the stream that is about to read its shard, before it reads:
+        # the plugin's pool makes it wait for a host-tier load of that layer (HiCache).
+        self.shard_ready = shard_ready
         self.enabled, self.min_pages_per_rank = enabled, min_pages_per_rank
         self.counter = counter  # bytes and calls of the history all-gathers, when set
         self.device = store.latent[0].device
@@ -190,6 +194,8 @@ class HistoryPrefetcher:
     def _fill(self, layer: int) -> None:
         latent, index = self._halves[layer % 2]
         plan, group, counter = self.plan, self.group, self.counter
+        if self.shard_ready is not None:
+            self.shard_ready(layer)
         gather_history_pages(self.store.page_rows(layer), plan, group, latent, counter, "materialize_latent")
         if self._has_index(layer):
             gather_history_pages(self.store.index[layer], plan, group, index, counter, "materialize_index")

@@ -137,10 +137,17 @@ def find_problems(server_args: Any) -> list[str]:
             f"supports a bf16 KV cache only for now, got --kv-cache-dtype {cfg.kv_cache_dtype} (the fp8 "
             "FlashMLA row is stored but not yet wired); add --kv-cache-dtype bfloat16"
         )
-    if cfg.enable_hierarchical_cache or cfg.enable_hisparse or cfg.enable_lmcache:
+    if cfg.enable_hierarchical_cache:
         problems.append(
-            "does not support HiCache, HiSparse or LMCache yet (they copy whole pages of the pool, while "
-            "each rank holds only its own pages); drop --enable-hierarchical-cache/--enable-hisparse/--enable-lmcache"
+            "does not support HiCache yet: SGLang shards a host tier by page owner only with its own "
+            "owner-classed allocator (PageInterleavePoolAllocator), which this pool is not built with, so "
+            "a page loaded back would land on a rank that does not hold its host copy (docs/sglang_plugin.md, "
+            "section HiCache); drop --enable-hierarchical-cache"
+        )
+    if cfg.enable_hisparse or cfg.enable_lmcache:
+        problems.append(
+            "does not support HiSparse or LMCache yet (they copy whole pages of the pool, while each rank "
+            "holds only its own pages); drop --enable-hisparse/--enable-lmcache"
         )
     if cfg.speculative_algorithm is not None:
         problems.append(

@@ -36,6 +36,11 @@ This is the contract of SGLang's own logical-page-sharded pools (`PageInterleave
 path needs no patch. The scratch holds two layers' dense views (double buffer), reserved at
 start-up for one context of history plus one chunk and grown if a batch needs more.
 `SGLANG_NSA_CP_PREFETCH=0` materializes each layer when it is first written instead (diagnosis).
+
+For SGLang's owner-sharded HiCache host tier the pool carries `placement` (SGLang's arithmetic for
+the same layout) and `host_capacity_tokens` (the rank's rows, which size its host pool), and its
+history gather waits for a layer's host load (`layer_transfer_counter`). The start-up check still
+refuses HiCache: the owner-classed allocator it also needs is not built (docs/sglang_plugin.md).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import torch
 import torch.distributed as dist
 from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, unwrap_write_loc
+from sglang.srt.mem_cache.page_interleave import PageInterleavePlacement, PageShardSpec
 from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
 
 from sglang_nsa_cp import kernels
@@ -91,7 +97,16 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
         self._loc_cache: dict[tuple, torch.Tensor] = {}
         self._slots_checked = False
         super().__init__(size, *args, **kwargs)
-        self.prefetcher = HistoryPrefetcher(self.store, cp_group, enabled=envs.SGLANG_NSA_CP_PREFETCH.get())
+        # What SGLang's HiCache reads from a page-interleaved pool (docs/sglang_plugin.md, "HiCache"):
+        # the placement arithmetic, which is ours (its host-pool assembler wraps the host pool in a
+        # PageInterleaveHostPool with it), and the rank's own rows, which size the rank's host pool.
+        self.placement = PageInterleavePlacement(
+            PageShardSpec(shard_rank=cp_rank, shard_size=cp_size, page_size=self.page_size, max_prefix_tokens=0, chunk_tokens=0)
+        )
+        self.host_capacity_tokens = size // cp_size
+        self.prefetcher = HistoryPrefetcher(
+            self.store, cp_group, enabled=envs.SGLANG_NSA_CP_PREFETCH.get(), shard_ready=self._wait_for_layer_load
+        )
         if scratch_pages:
             with self._alloc_context():
                 self.prefetcher.reserve(scratch_pages)
@@ -102,6 +117,13 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
             cp_rank, cp_size, self.store.local_pages - 1, self.num_logical_pages,
             self.prefetcher.scratch_bytes() / 2**20, scratch_pages, "on" if self.prefetcher.enabled else "off",
         )  # fmt: skip
+
+    def _wait_for_layer_load(self, local_layer: int) -> None:
+        """HiCache loads a layer's pages into the shard on its own stream, and the history gather
+        reads the shard directly (not through the getters that wait for it): wait first, on the
+        gathering stream. No-op without HiCache (no counter registered)."""
+        if self.layer_transfer_counter is not None:
+            self.layer_transfer_counter.wait_until(local_layer)
 
     @property
     def counter(self) -> TrafficCounter | None:
