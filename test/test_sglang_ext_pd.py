@@ -32,6 +32,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import queue  # noqa: E402
+import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -41,8 +42,11 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from sglang_nsa_cp.comm.launch import free_port  # noqa: E402
+
+register_cpu_ci(est_time=0, suite="nsa-cp-test-cpu")
 
 PAGE = 64
 LAYERS = 2
@@ -654,3 +658,7 @@ def test_decode_hooks_commit_only_full_coverage():
     deliver(1, 1, _manifest(1, [1], [11]))  # a late repeat cannot undo a commit
     assert mgr.request_status[1] == KVPoll.Success
     assert not mgr.__dict__[hooks._MANIFESTS] and not mgr.__dict__[hooks._INBOX]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
