@@ -19,7 +19,7 @@ from sglang_nsa_cp.comm import (
 )
 from sglang_nsa_cp.layout import plan_split
 
-register_cpu_ci(est_time=0, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=357, suite="nsa-cp-test-cpu")
 
 HIDDEN = 8
 

@@ -21,7 +21,7 @@ from sglang_nsa_cp.oracle import Scenario, held_pages, run_oracle
 from sglang_nsa_cp.reference import get_config
 from sglang_nsa_cp.shared_kv import KVStore
 
-register_cpu_ci(est_time=0, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=300, suite="nsa-cp-test-cpu")
 
 PROG = "python -m sglang_nsa_cp demo: error: "
 

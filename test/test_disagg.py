@@ -41,7 +41,7 @@ from sglang_nsa_cp.disagg import (
     plan_owned_pages,
 )
 
-register_cpu_ci(est_time=0, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=30, suite="nsa-cp-test-cpu")
 
 pytestmark = pytest.mark.timeout(120)
 

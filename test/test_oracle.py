@@ -9,7 +9,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 from sglang_nsa_cp.oracle import RTOL, Scenario, run_oracle
 
-register_cpu_ci(est_time=0, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=394, suite="nsa-cp-test-cpu")
 
 # Three chunks: long and very short requests (shorter than 2N), continuations whose cached prefix
 # ends mid-page, a request that first appears in the last chunk.

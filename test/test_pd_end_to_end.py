@@ -23,7 +23,7 @@ from sglang_nsa_cp.oracle import Scenario
 from sglang_nsa_cp.pd import DecodeKV, run_pd
 from sglang_nsa_cp.shared_kv import KVStore
 
-register_cpu_ci(est_time=0, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=231, suite="nsa-cp-test-cpu")
 
 pytestmark = pytest.mark.timeout(240)
 

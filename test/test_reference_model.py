@@ -30,7 +30,7 @@ from sglang_nsa_cp.reference import (
     quantize_index_key,
 )
 
-register_cpu_ci(est_time=0, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=10, suite="nsa-cp-test-cpu")
 
 TINY = get_config("tiny")
 

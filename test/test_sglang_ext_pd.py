@@ -46,7 +46,7 @@ from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from sglang_nsa_cp.comm.launch import free_port  # noqa: E402
 
-register_cpu_ci(est_time=0, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=120, suite="nsa-cp-test-cpu")
 
 PAGE = 64
 LAYERS = 2

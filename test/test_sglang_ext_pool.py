@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
-register_cpu_ci(est_time=0, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=15, suite="nsa-cp-test-cpu")
 
 
 PAGE = 64

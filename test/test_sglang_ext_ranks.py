@@ -46,7 +46,7 @@ from paged_requests import PagedRequests  # noqa: E402
 from sglang_nsa_cp.comm import TrafficCounter, run_ranks  # noqa: E402
 from test_sglang_ext_pool import LAYERS, PAGE, _no_dcp, _pool_kwargs  # noqa: E402
 
-register_cpu_ci(est_time=0, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=80, suite="nsa-cp-test-cpu")
 
 
 class _Layer:

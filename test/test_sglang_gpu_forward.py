@@ -26,7 +26,7 @@ from sglang.test.ci.ci_register import register_cuda_ci  # noqa: E402
 
 from sglang_nsa_cp.comm import run_ranks  # noqa: E402
 
-register_cuda_ci(est_time=0, suite="nsa-cp-test-2-gpu-h200")
+register_cuda_ci(est_time=120, suite="nsa-cp-test-2-gpu-h200")
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.device_count() < 2 or importlib.util.find_spec("sgl_kernel") is None,

@@ -32,7 +32,7 @@ from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 import sglang_servers as S  # noqa: E402
 
-register_cpu_ci(est_time=0, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=240, suite="nsa-cp-test-cpu")
 
 NEW_TOKENS = 6
 

@@ -25,7 +25,7 @@ from sglang_nsa_cp.shared_kv import (
 )
 from sglang_nsa_cp.shared_kv import debug
 
-register_cpu_ci(est_time=0, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=627, suite="nsa-cp-test-cpu")
 
 LAYERS = 2
 

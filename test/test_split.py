@@ -12,7 +12,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 from sglang_nsa_cp.layout import SplitError, plan_split
 
-register_cpu_ci(est_time=0, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=98, suite="nsa-cp-test-cpu")
 
 
 @st.composite

@@ -52,7 +52,7 @@ from sglang_cp_reference import (  # noqa: E402
 )
 from sglang_nsa_cp.layout.split import plan_split  # noqa: E402
 
-register_cpu_ci(est_time=0, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=168, suite="nsa-cp-test-cpu")
 
 NUM_RANDOM_BATCHES = 250  # per mode
 MAX_LEN = 4000
