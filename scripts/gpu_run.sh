@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# On the GPU machine (2 x H200, torch 2.11, no network): unpack the bundle, check SGLang's imports,
-# run the GPU tests, then the SGLang prefill benchmark. Logs and results go to ${OUT:-gpu_out}.
+# On the GPU machine (1 or 2 x H200, torch 2.11, no network): unpack the bundle, check SGLang's
+# imports, run the GPU test suites through scripts/run_suite.py, then the SGLang prefill benchmark.
+# Logs and results go to ${OUT:-gpu_out}.
 #
 #   bash scripts/gpu_run.sh [tests|bench|all] [benchmark arguments...]
+#
+# `tests` runs nsa-cp-test-1-gpu-h200, then nsa-cp-test-2-gpu-h200 where there are two GPUs (on one
+# it says the suite was left out), one pytest process per file so the log ends with each file's
+# time beside its est_time; docs/testing.md lists the suites. The benchmark needs two GPUs.
 #
 # The bundle (.gpu_bundle/, built here with scripts/gpu_bundle.sh) travels with the working tree.
 set -uo pipefail
@@ -18,9 +23,16 @@ source scripts/gpu_unpack.sh /tmp/site >/dev/null || exit 1
 python3 scripts/check_gpu_imports.py >"$out/imports.log" 2>&1 || { tail -30 "$out/imports.log"; exit 1; }
 status=0
 if [ "$what" != bench ]; then
-  python3 -m pytest -q -s -p no:cacheprovider test/test_mqa_logits_triton.py test/test_kernels_gpu.py \
-    test/test_sglang_gpu_forward.py 2>&1 | tee "$out/gpu_tests.log" | grep -v "^$" | tail -40
-  status=${PIPESTATUS[0]}
+  gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())') || exit 1
+  for suite in nsa-cp-test-1-gpu-h200 nsa-cp-test-2-gpu-h200; do
+    need=${suite#nsa-cp-test-}; need=${need%%-*}
+    if [ "$gpus" -lt "$need" ]; then
+      echo "gpu_run: $suite left out: it needs $need GPUs, this machine has $gpus"
+      continue
+    fi
+    python3 scripts/run_suite.py --suite "$suite" --per-file -- -s 2>&1 | tee "$out/$suite.log" | grep -v "^$" | tail -40
+    status=$((status || PIPESTATUS[0]))
+  done
 fi
 if [ "$what" != tests ]; then
   python3 benchmark/bench_sglang_prefill.py --out "$out" --plot "$@" 2>&1 | tee "$out/bench_sglang_prefill.log" | tail -45

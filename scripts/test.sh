@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # The CPU test suite (the README's test command). Sets up .venv first if needed.
-#   bash scripts/test.sh                          the whole suite (pyproject's testpaths: test/)
+#   bash scripts/test.sh                          the CPU suite, through scripts/run_suite.py: every
+#                                                 registered test/test_*.py of suite nsa-cp-test-cpu,
+#                                                 after checking that every test file is registered
 #   bash scripts/test.sh test/test_split.py -k x  exactly what it is given, as pytest arguments
+# A partition of the suite, or a GPU suite: .venv/bin/python scripts/run_suite.py --help
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_cpu.sh
 # Triton's interpreter must be selected before triton is imported (sglang imports it too).
 export TRITON_INTERPRET=1
+if [ $# -eq 0 ]; then
+  exec .venv/bin/python scripts/run_suite.py --suite nsa-cp-test-cpu
+fi
 exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 "$@"

@@ -8,6 +8,9 @@ import subprocess
 import sys
 
 import pytest
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=254, suite="nsa-cp-test-cpu")
 
 ROOT = pathlib.Path(__file__).parents[1]
 
@@ -34,3 +37,7 @@ def test_prefill_benchmark_runs_on_cpu_ranks(cp, tmp_path):
     hit = by[("hit 128+40", "shared_prefetch")]
     assert hit["scratch_bytes"] > 0 and hit["bytes_moved"]["materialize_latent"]["calls"] == 3
     assert all(b["gathered_bytes"] > 0 for b in raw["materialize_bandwidth"])
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -2,9 +2,11 @@
 narrow tail gather, owned-row gathers, byte counters; and a failing rank is reported, not hung."""
 
 import random
+import sys
 
 import pytest
 import torch
+from sglang.test.ci.ci_register import register_cpu_ci
 
 from sglang_nsa_cp.comm import (
     RankFailure,
@@ -16,6 +18,8 @@ from sglang_nsa_cp.comm import (
     run_ranks,
 )
 from sglang_nsa_cp.layout import plan_split
+
+register_cpu_ci(est_time=357, suite="nsa-cp-test-cpu")
 
 HIDDEN = 8
 
@@ -96,3 +100,7 @@ def test_a_failing_rank_is_named_instead_of_hanging():
 def test_rows_beyond_the_bound_are_refused():
     with pytest.raises(ValueError, match="exceed rows_per_rank"):
         all_gather_rows(torch.zeros(3, 2), 2, group=None)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -13,12 +13,15 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from sglang.test.ci.ci_register import register_cpu_ci
 
 from sglang_nsa_cp.__main__ import main, set_mooncake_log_level
 from sglang_nsa_cp.layout import OwnerClassedAllocator, RequestPageTable
 from sglang_nsa_cp.oracle import Scenario, held_pages, run_oracle
 from sglang_nsa_cp.reference import get_config
 from sglang_nsa_cp.shared_kv import KVStore
+
+register_cpu_ci(est_time=300, suite="nsa-cp-test-cpu")
 
 PROG = "python -m sglang_nsa_cp demo: error: "
 
@@ -183,3 +186,7 @@ def test_bad_input_is_refused_in_one_line_before_any_work(name, bad_input_runs):
     assert err.count("\n") == 1 and err.startswith(PROG), (name, err)
     assert want in err, (name, err)
     assert os.listdir(tmp) == [], (name, os.listdir(tmp))  # the --json probe left nothing behind
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

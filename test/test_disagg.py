@@ -13,12 +13,14 @@ import dataclasses
 import multiprocessing as mp
 import os
 import random
+import sys
 import time
 import traceback
 from dataclasses import dataclass
 
 import pytest
 import torch
+from sglang.test.ci.ci_register import register_cpu_ci
 
 from sglang_nsa_cp.disagg import (
     CHECKSUM_MODULUS,
@@ -38,6 +40,8 @@ from sglang_nsa_cp.disagg import (
     page_checksums,
     plan_owned_pages,
 )
+
+register_cpu_ci(est_time=30, suite="nsa-cp-test-cpu")
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -589,3 +593,7 @@ def test_bad_manifest_fails_cleanly_and_the_next_request_commits(ranks, decode_e
         assert (rx.stats.committed, rx.stats.failed) == (1, 1)
     finally:
         rx.close()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -7,6 +7,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=20, suite="nsa-cp-test-cpu")
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 FAKE_INIT = """
@@ -80,3 +85,7 @@ def test_missing_sgl_kernel_names_the_fix(tmp_path):
     out = _run(tmp_path, "g.install()\n", with_sgl_kernel=False)
     assert out.returncode != 0
     assert "source scripts/gpu_unpack.sh" in out.stderr, out.stderr
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

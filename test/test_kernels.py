@@ -15,10 +15,17 @@ corrections and converts in hardware, which test_kernels_gpu.py checks bitwise.
 from __future__ import annotations
 
 import os
-import warnings
 
-import pytest
-import torch
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (sglang imports it)
+
+import sys  # noqa: E402
+import warnings  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
+
+register_cpu_ci(est_time=10, suite="nsa-cp-test-cpu")
 
 triton = pytest.importorskip("triton")
 # Not a module-level skip: test_kernels_gpu.py imports this file's helpers.
@@ -328,3 +335,7 @@ def test_bad_input_is_not_a_launch_failure(mode, monkeypatch):
     with pytest.raises(TypeError, match="rows are copied as they are"):
         kernels.gather_rows(torch.zeros(2, 4, dtype=torch.uint8), torch.zeros(1, dtype=torch.long), torch.zeros(1, 4))
     assert not kernels._failed
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

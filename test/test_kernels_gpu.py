@@ -1,20 +1,28 @@
 """Triton kernels, and the CUDA fp8 store, against their torch references on CUDA at GLM-5 sizes
 (GPU, ~20 s on an H200 plus about a minute to build the CUDA kernel the first time).
 
-Run with TRITON_INTERPRET=0 (conftest.py turns the interpreter on by default). Rows are GLM-5's:
-bf16 latent 576 values (1152 bytes), FlashMLA fp8 656 bytes, index K 128 fp8 bytes + fp32 scale
-(132 bytes), 64-token pages; batches of 8k to 128k tokens. Every comparison is bitwise,
-including fp8 quantization (the kernel's fma division and hardware e4m3 conversion against
-torch's division and rounding). Failure messages carry the seed; SGLANG_NSA_CP_TEST_SEED=<seed>
-replays it.
+Runs with TRITON_INTERPRET=0: scripts/run_suite.py --suite nsa-cp-test-1-gpu-h200 and this file's
+own entry set it; plain pytest needs it in the environment (conftest.py turns the interpreter on).
+Rows are GLM-5's: bf16 latent 576 values (1152 bytes), FlashMLA fp8 656 bytes, index K 128 fp8
+bytes + fp32 scale (132 bytes), 64-token pages; batches of 8k to 128k tokens. Every comparison
+is bitwise, including fp8 quantization (the kernel's fma division and hardware e4m3 conversion
+against torch's division and rounding). Failure messages carry the seed;
+SGLANG_NSA_CP_TEST_SEED=<seed> replays it.
 """
 
 from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+os.environ.setdefault("TRITON_INTERPRET", "0")  # compiled for the GPU (conftest.py defaults to 1)
+
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from sglang.test.ci.ci_register import register_cuda_ci  # noqa: E402
+
+register_cuda_ci(est_time=22, suite="nsa-cp-test-1-gpu-h200")
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
@@ -218,3 +226,7 @@ def test_cuda_fp8_store_refuses_bad_input_before_launching():
         cuda_fp8_store.store_owned_mla_fp8(shard, torch.arange(3, device=DEV), kv, 0, 1, PAGE)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         cuda_fp8_store.store_owned_mla_fp8(shard.cpu(), torch.arange(4), kv.cpu(), 0, 1, PAGE)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -1,4 +1,4 @@
-"""GPU, ~10 s: the harness's Triton fp8 MQA-logits kernel (test/mqa_logits_triton.py) against an
+"""GPU, ~15 s: the harness's Triton fp8 MQA-logits kernel (test/mqa_logits_triton.py) against an
 fp32 reference of DeepGEMM's `fp8_mqa_logits` contract (within fp8 tensor-core accumulation) and against SGLang's own torch fallback
 (`_fp8_mqa_logits_torch`, whose scores are rounded to bf16). Only columns ks <= n < ke are
 compared: the kernel leaves the others unwritten, as DeepGEMM does with clean_logits=False.
@@ -6,8 +6,17 @@ Skipped without CUDA or with the Triton interpreter on."""
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "0")  # compiled for the GPU (conftest.py defaults to 1)
+
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from sglang.test.ci.ci_register import register_cuda_ci  # noqa: E402
+
+register_cuda_ci(est_time=15, suite="nsa-cp-test-1-gpu-h200")
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
@@ -65,3 +74,7 @@ def test_triton_mqa_logits_agree_with_sglangs_torch_fallback():
     valid = (cols >= ks[:, None]) & (cols < ke[:, None])
     err = ((got - theirs).abs() * valid).max() / theirs.abs().max()
     assert err <= 2e-2, f"relative difference {float(err):.2e} (SGLang's scores are rounded to bf16)"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

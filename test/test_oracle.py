@@ -2,9 +2,14 @@
 reference model agree on logits (float32, 1e-5 relative), on every layer's top-k selections, and
 on the KV at every logical slot, over chunked prefill with cached prefixes ending mid-page."""
 
+import sys
+
 import pytest
+from sglang.test.ci.ci_register import register_cpu_ci
 
 from sglang_nsa_cp.oracle import RTOL, Scenario, run_oracle
+
+register_cpu_ci(est_time=394, suite="nsa-cp-test-cpu")
 
 # Three chunks: long and very short requests (shorter than 2N), continuations whose cached prefix
 # ends mid-page, a request that first appears in the last chunk.
@@ -61,3 +66,7 @@ def test_long_prompt_on_page_aligned_zigzag_uses_direct_writes(prefetch):
     report = run_oracle(Scenario(chunks, cp_size=2, page_size=16, prefetch=prefetch))
     assert report["ok"], report["paths"]
     assert report["paths"]["shared"]["bytes_moved"]["materialize_latent"]["calls"] == 3  # one per layer, chunk 2
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

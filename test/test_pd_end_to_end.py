@@ -16,11 +16,14 @@ import sys
 
 import pytest
 import torch
+from sglang.test.ci.ci_register import register_cpu_ci
 
 from sglang_nsa_cp.disagg import PageAllocator
 from sglang_nsa_cp.oracle import Scenario
 from sglang_nsa_cp.pd import DecodeKV, run_pd
 from sglang_nsa_cp.shared_kv import KVStore
+
+register_cpu_ci(est_time=231, suite="nsa-cp-test-cpu")
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -98,3 +101,7 @@ def test_demo_with_pd_writes_the_pd_check(tmp_path):
     # Mooncake logs warnings and errors only by default (glog lines start with the level letter).
     mooncake_info = [line for line in proc.stderr.splitlines() if re.match(r"I\d{4} ", line)]
     assert not mooncake_info, mooncake_info
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from sglang.test.ci.ci_register import register_cpu_ci
 
 from sglang_nsa_cp.reference import (
     CONFIGS,
@@ -27,6 +29,8 @@ from sglang_nsa_cp.reference import (
     prefill_single,
     quantize_index_key,
 )
+
+register_cpu_ci(est_time=10, suite="nsa-cp-test-cpu")
 
 TINY = get_config("tiny")
 
@@ -292,3 +296,7 @@ def test_slot_cache_pages():
     cache.free("a")
     reused = cache.begin_batch(["c"], [28]).out_cache_loc // 4
     assert sorted(set(reused.tolist())) == [0, 1, 3, 4, 5, 6, 7], "freed pages are reused"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

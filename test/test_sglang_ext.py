@@ -23,6 +23,9 @@ import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
+
+register_cpu_ci(est_time=40, suite="nsa-cp-test-cpu")
 
 FLAG = "--enable-nsa-prefill-cp-shared-kv"
 
@@ -249,3 +252,7 @@ def test_launch_server_exits_with_the_error_before_loading_anything(models):
     assert "SharedKVConfigError" in log and "runs only on a PD prefill instance" in log, log[-3000:]
     for sign in ("Init torch distributed", "Load weight", "scheduler", "Memory pool"):
         assert sign not in log, f"{sign!r} in the log: something started before validation\n{log[-3000:]}"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -36,6 +36,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import queue  # noqa: E402
+import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -45,8 +46,11 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from sglang_nsa_cp.comm.launch import free_port  # noqa: E402
+
+register_cpu_ci(est_time=120, suite="nsa-cp-test-cpu")
 
 PAGE = 64
 LAYERS = 2
@@ -857,3 +861,7 @@ def test_decode_thread_survives_hostile_manifest_frames_keyed_or_not():
         for rank, m in good.items():
             _deliver(mgr, 99, rank, encode_manifest(m, 99, rank, secret))
         assert mgr.request_status[99] == KVPoll.Success
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -7,11 +7,15 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import sys  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
+
+register_cpu_ci(est_time=15, suite="nsa-cp-test-cpu")
 
 
 PAGE = 64
@@ -144,3 +148,7 @@ def test_scratch_is_charged_against_the_kv_budget():
             assert scratch_bytes(original, draft) == 4096
         with envs.SGLANG_NSA_CP_SHARED_KV.override(False):
             assert scratch_bytes(original, _configurator(131072)) == 4096
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

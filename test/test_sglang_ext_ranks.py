@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -39,10 +40,13 @@ from unittest import mock  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from paged_requests import PagedRequests  # noqa: E402
 from sglang_nsa_cp.comm import TrafficCounter, run_ranks  # noqa: E402
 from test_sglang_ext_pool import LAYERS, PAGE, _no_dcp, _pool_kwargs  # noqa: E402
+
+register_cpu_ci(est_time=80, suite="nsa-cp-test-cpu")
 
 
 class _Layer:
@@ -390,3 +394,7 @@ def test_narrow_tail_gather_gives_the_logits_processor_todays_rows(rank_results)
                 [s[0] for s in shapes], [s[1] for s in shapes], TAIL_BATCHES
             ):
                 assert full_rows == sum(extend_lens) and narrow_rows == len(extend_lens)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -1,4 +1,4 @@
-"""GPU, 2 x H200, ~3 min: SGLang 0.5.23's own DSA model forward on CUDA with GLM-5's attention
+"""GPU, 2 x H200, ~2 min: SGLang 0.5.23's own DSA model forward on CUDA with GLM-5's attention
 dimensions (test/sglang_gpu_harness.py), FlashMLA's real sparse prefill kernel, NCCL.
 
 Runs only where CUDA and the GPU bundle are (docs/gpu_bundle.md: `source scripts/gpu_unpack.sh`);
@@ -12,13 +12,21 @@ from CP by bf16 rounding (docs/sglang_gpu_forward.md says by how much and why).
 
 from __future__ import annotations
 
-import importlib.util
-import tempfile
+import os
 
-import pytest
-import torch
+os.environ.setdefault("TRITON_INTERPRET", "0")  # compiled for the GPU (conftest.py defaults to 1)
 
-from sglang_nsa_cp.comm import run_ranks
+import importlib.util  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from sglang.test.ci.ci_register import register_cuda_ci  # noqa: E402
+
+from sglang_nsa_cp.comm import run_ranks  # noqa: E402
+
+register_cuda_ci(est_time=120, suite="nsa-cp-test-2-gpu-h200")
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.device_count() < 2 or importlib.util.find_spec("sgl_kernel") is None,
@@ -65,3 +73,7 @@ def test_stand_ins_report(runs):
     """Not a check: every stand-in that SGLang reached, with its caller, into the log."""
     for name, ranks in runs.items():
         print(name, ranks[0]["stand_ins"])
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

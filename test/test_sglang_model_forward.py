@@ -37,11 +37,16 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import sys  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 import sglang_model_harness as H  # noqa: E402
 from sglang_nsa_cp.comm import run_ranks  # noqa: E402
+
+register_cpu_ci(est_time=180, suite="nsa-cp-test-cpu")
 
 # (run name, checkpoint, mode, ranks, history prefetch)
 RUNS = (
@@ -169,3 +174,7 @@ def test_timings_are_reported(runs):
     """Not a check: puts each run's phase timings (seconds) into the test log."""
     for mode, ranks in runs.items():
         print(mode, [{k: round(v, 2) for k, v in r["timings"].items()} for r in ranks])
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -23,12 +23,16 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import concurrent.futures as futures  # noqa: E402
 import re  # noqa: E402
 import signal  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import pytest  # noqa: E402
 import requests  # noqa: E402
+from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 import sglang_servers as S  # noqa: E402
+
+register_cpu_ci(est_time=240, suite="nsa-cp-test-cpu")
 
 NEW_TOKENS = 6
 
@@ -234,3 +238,7 @@ def test_killed_cp_rank_fails_the_request_and_the_prefill_exits(cluster):
     _, rep = S.generate_pd(cluster.servers["replicated"], decode, ids, NEW_TOKENS)
     single = S.generate(cluster.servers["single"].url, ids, NEW_TOKENS)["output_ids"]
     assert rep["output_ids"] == single
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -4,9 +4,11 @@ replicated store (today's SGLang pool) fed the same writes: every dense view mus
 bit at every logical slot of the batch."""
 
 import random
+import sys
 
 import pytest
 import torch
+from sglang.test.ci.ci_register import register_cpu_ci
 
 from sglang_nsa_cp import kernels
 from sglang_nsa_cp.comm import all_gather_rerange, run_ranks
@@ -22,6 +24,8 @@ from sglang_nsa_cp.shared_kv import (
     build_dense_plan,
 )
 from sglang_nsa_cp.shared_kv import debug
+
+register_cpu_ci(est_time=627, suite="nsa-cp-test-cpu")
 
 LAYERS = 2
 
@@ -354,3 +358,7 @@ def test_plan_catches_a_chunk_page_that_is_also_cached():
     """An allocator bug (a fresh page still holding a cached prefix) must not silently alias."""
     with pytest.raises(AssertionError, match="also cached pages: 1"):
         build_dense_plan(torch.tensor([[6, 3], [6, 6]]), [4, 4], [8, 8], page_size=4, cp_size=2, rank=0, num_logical_pages=12)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

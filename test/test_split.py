@@ -2,13 +2,17 @@
 inverts the rank-major gather, page-aligned zigzag cuts only at page boundaries, load balanced."""
 
 import random
+import sys
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sglang.test.ci.ci_register import register_cpu_ci
 
 from sglang_nsa_cp.layout import SplitError, plan_split
+
+register_cpu_ci(est_time=98, suite="nsa-cp-test-cpu")
 
 
 @st.composite
@@ -140,3 +144,7 @@ def test_bad_input_is_rejected_with_a_clear_error(args, message):
 def test_first_page_owner_must_be_a_rank():
     with pytest.raises(SplitError, match="not ranks"):
         plan_split([100], [10], 2, "page_zigzag", 16, first_page_owners=[5])
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -38,9 +38,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import dataclasses  # noqa: E402
 import random  # noqa: E402
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from sglang_cp_reference import (  # noqa: E402
     flat_positions,
@@ -49,6 +51,8 @@ from sglang_cp_reference import (  # noqa: E402
     sglang_split,
 )
 from sglang_nsa_cp.layout.split import plan_split  # noqa: E402
+
+register_cpu_ci(est_time=168, suite="nsa-cp-test-cpu")
 
 NUM_RANDOM_BATCHES = 250  # per mode
 MAX_LEN = 4000
@@ -345,3 +349,7 @@ def test_wrong_plans_are_rejected(mode):
     other = "interleave" if mode == "zigzag" else "zigzag"
     with pytest.raises(AssertionError):
         assert_plan_matches_sglang(plan_split(extend, prefix, cp_size, other), ref)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -1,0 +1,132 @@
+"""The suite runner (scripts/run_suite.py): every test file here is registered to a suite it runs,
+an unregistered or entry-less file stops it with its name and the lines to add, and partitions
+split a suite into disjoint parts balanced by est_time. CPU, ~20 s (two runs of the script)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+from sglang.test.ci.ci_register import collect_tests, register_cpu_ci
+
+register_cpu_ci(est_time=100, suite="nsa-cp-test-cpu")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "scripts", "run_suite.py")
+_spec = importlib.util.spec_from_file_location("run_suite", SCRIPT)
+RS = sys.modules["run_suite"] = importlib.util.module_from_spec(_spec)  # scripts/ is not a package
+_spec.loader.exec_module(RS)
+
+REGISTERED = '''
+import sys
+
+import pytest
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=1, suite="nsa-cp-test-cpu")
+
+
+def test_ok():
+    pass
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
+'''
+UNREGISTERED = '''
+def test_new():
+    pass
+'''
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
+def test_every_test_file_here_is_registered_to_a_suite_the_runner_runs():
+    files = RS.test_files(os.path.join(REPO, "test"))
+    assert len(files) >= 20 and "test/test_run_suite.py" in files, files
+    assert RS.registration_problems(files) == []
+    suites = {r.filename: r.effective_suite for r in collect_tests(files)}
+    assert suites["test/test_sglang_gpu_forward.py"] == "nsa-cp-test-2-gpu-h200"
+    assert suites["test/test_kernels_gpu.py"] == suites["test/test_mqa_logits_triton.py"] == "nsa-cp-test-1-gpu-h200"
+
+
+def test_an_unregistered_file_stops_the_run_naming_it_and_the_fix(tmp_path):
+    (tmp_path / "test_registered.py").write_text(REGISTERED)
+    (tmp_path / "test_new_feature.py").write_text(UNREGISTERED)
+    run = _run("--test-dir", str(tmp_path))
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "test_registered.py" not in run.stdout, "the plan was printed: the check must come first"
+    err = run.stderr
+    assert f"{tmp_path}/test_new_feature.py is not registered for CI" in err, err
+    assert "nothing was run" in err and "test_registered.py" not in err, err
+    for line in ("from sglang.test.ci.ci_register import register_cpu_ci",
+                 'register_cpu_ci(est_time=SECONDS, suite="nsa-cp-test-cpu")',
+                 'if __name__ == "__main__":', 'sys.exit(pytest.main([__file__, "-q"]))',
+                 f"time .venv/bin/python {tmp_path}/test_new_feature.py"):  # fmt: skip
+        assert line in err, f"{line!r} missing from:\n{err}"
+    # The lines the message gives, as it says to add them, make the file pass the check.
+    (tmp_path / "test_new_feature.py").write_text(
+        'import sys\n\nimport pytest\nfrom sglang.test.ci.ci_register import register_cpu_ci\n\n'
+        'register_cpu_ci(est_time=3, suite="nsa-cp-test-cpu")\n' + UNREGISTERED +
+        '\n\nif __name__ == "__main__":\n    sys.exit(pytest.main([__file__, "-q"]))\n'
+    )  # fmt: skip
+    run = _run("--test-dir", str(tmp_path), "--list")
+    assert run.returncode == 0, run.stderr
+    assert "2 file(s), est 4 s" in run.stdout and "test_new_feature.py  est 3 s" in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        (REGISTERED.replace("if __name__", "if False and __name__"), 'has no `if __name__ == "__main__":` entry'),
+        (REGISTERED.replace('suite="nsa-cp-test-cpu"', 'suite="base-a-test-cpu"'), "suite 'base-a-test-cpu' on CPU"),
+        (REGISTERED.replace("register_cpu_ci(est_time=1,", "register_cuda_ci(est_time=1,"),
+         "suite 'nsa-cp-test-cpu' on CUDA"),
+        (REGISTERED.replace("est_time=1", "est_time=ONE"), "est_time is a required constant"),
+    ],
+    ids=["no-main-entry", "unknown-suite", "cpu-suite-on-cuda", "est-time-not-a-constant"],
+)
+def test_each_registration_problem_is_named_with_its_file(tmp_path, source, message):
+    path = tmp_path / "test_x.py"
+    path.write_text(source)
+    problems = RS.registration_problems([str(path)])
+    assert len(problems) == 1 and message in problems[0] and str(path) in problems[0], problems
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5])
+def test_partitions_split_the_cpu_suite_once_balanced_by_est_time(size):
+    registries = collect_tests(RS.test_files(os.path.join(REPO, "test")))
+    whole, _ = RS.plan(registries, "nsa-cp-test-cpu", None, None)
+    parts = [RS.plan(registries, "nsa-cp-test-cpu", i, size)[0] for i in range(size)]
+    names = [r.filename for part in parts for r in part]
+    assert sorted(names) == [r.filename for r in whole] and len(set(names)) == len(names), f"{size=}"
+    sums = [sum(r.est_time for r in part) for part in parts]
+    # Greedy longest-first: no part exceeds another by more than the longest file.
+    assert max(sums) - min(sums) <= max(r.est_time for r in whole), f"{size=}, {sums=}"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--auto-partition-id", "0"], "go together"),
+        (["--auto-partition-id", "2", "--auto-partition-size", "2"], "got 2 of 2"),
+        (["--suite", "nightly"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        RS.parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_arguments_after_double_dash_go_to_pytest():
+    args = RS.parse_args(["--per-file", "--", "-k", "zigzag", "-x"])
+    assert args.per_file and args.pytest_args == ["-k", "zigzag", "-x"]
+    assert RS.pytest_command(["test/test_split.py"], args.pytest_args)[-4:] == ["-k", "zigzag", "-x", "test/test_split.py"]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
