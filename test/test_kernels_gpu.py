@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from sglang.test.ci.ci_register import register_cuda_ci  # noqa: E402
 
-register_cuda_ci(est_time=22, suite="nsa-cp-test-1-gpu-h200")
+register_cuda_ci(est_time=95, suite="nsa-cp-test-1-gpu-h200")
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
