@@ -128,7 +128,7 @@ def run_scenario(rank, world, group, model_path, mode):
     t_engine.init_requests(seed=3)
     toks = harness.token_ids()
     last_batch = {i: b for b, batch in enumerate(harness.BATCHES) for i, _ in batch}
-    out = dict(target_logits=[], target_hidden=[], draft_logits=[], draft_topk=[], draft_hidden=[], tail_rows=[])
+    out = dict(target_logits=[], target_hidden=[], draft_logits=[], draft_topk=[], draft_hidden=[], tail_rows=[], draft_history=[])
     written = []
     for b, batch in enumerate(harness.BATCHES):
         if b == 2:
@@ -149,6 +149,8 @@ def run_scenario(rank, world, group, model_path, mode):
             hidden_states=t_out.hidden_states, num_tokens_per_req=1, num_tokens_for_logprob_per_req=1
         )
         d_out = d_engine.run_output(d_fb)
+        if mode == "shared":  # whether the draft's batch read history materialized from the owners
+            out["draft_history"].append(d_engine.pool.plan.has_history)
         probs = torch.softmax(d_out.next_token_logits.float(), dim=-1)
         out["target_logits"].append(t_out.next_token_logits.float().cpu())
         out["target_hidden"].append(t_out.hidden_states.float().cpu())  # every token's: the draft's input

@@ -1,4 +1,4 @@
-"""CPU, ~300 s (three spawns of 1 or 2 gloo ranks): the PD prefill's speculative step with
+"""CPU, ~250 s (three spawns of 1 or 2 gloo ranks): the PD prefill's speculative step with
 SGLang 0.5.23's own DSA model and its own NextN (MTP) draft, with and without the plugin.
 
 Per prefill batch, as `EAGLEWorkerV2._forward_prefill_batch` runs it (docs/speculative.md): the
@@ -33,7 +33,7 @@ import sglang_draft_harness as D  # noqa: E402
 import sglang_model_harness as H  # noqa: E402
 from sglang_nsa_cp.comm import run_ranks  # noqa: E402
 
-register_cpu_ci(est_time=300, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=250, suite="nsa-cp-test-cpu")
 
 RUNS = (("off", 1), ("replicated", 2), ("shared", 2))
 COMPARED = ("target_logits", "target_hidden", "draft_logits", "draft_topk", "draft_hidden")
@@ -53,6 +53,8 @@ def test_the_draft_ran_over_every_token(runs):
             assert r["draft_pool"] == want_pool, f"{mode}, {rank=}"
             # the target's full tail gather: every token's hidden state reaches the draft
             assert r["tail_rows"] == extend_tokens, f"{mode}, {rank=}"
+            if mode == "shared":  # continuations and the radix hit read draft history from the owners
+                assert r["draft_history"] == [False, True, True], f"{rank=}"
             for b, batch in enumerate(H.BATCHES):
                 assert tuple(r["draft_logits"][b].shape) == (len(batch), H.TINY_V32["vocab_size"])
                 assert tuple(r["draft_topk"][b].shape) == (len(batch), D.DRAFT_TOPK)
