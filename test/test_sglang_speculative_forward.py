@@ -1,4 +1,4 @@
-"""CPU, ~250 s (three spawns of 1 or 2 gloo ranks): the PD prefill's speculative step with
+"""CPU, ~4-6 min (three spawns of 1 or 2 gloo ranks): the PD prefill's speculative step with
 SGLang 0.5.23's own DSA model and its own NextN (MTP) draft, with and without the plugin.
 
 Per prefill batch, as `EAGLEWorkerV2._forward_prefill_batch` runs it (docs/speculative.md): the
@@ -33,7 +33,7 @@ import sglang_draft_harness as D  # noqa: E402
 import sglang_model_harness as H  # noqa: E402
 from sglang_nsa_cp.comm import run_ranks  # noqa: E402
 
-register_cpu_ci(est_time=250, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=300, suite="nsa-cp-test-cpu")
 
 RUNS = (("off", 1), ("replicated", 2), ("shared", 2))
 COMPARED = ("target_logits", "target_hidden", "draft_logits", "draft_topk", "draft_hidden")
