@@ -341,8 +341,8 @@ def _decode(name, plugin, bootstrap_port, requests, results, stop, draft=False):
             pool = DSATokenToKVPool(**_pool_kwargs((DECODE_PAGES - 1) * PAGE))
             draft_pool = DSATokenToKVPool(**_pool_kwargs((DECODE_PAGES - 1) * PAGE, layers=1)) if draft else None
         # one entry per layer: the target's, then the MTP draft's (layer LAYERS)
-        latent = [p.kv_buffer[i].view(torch.uint8).view(-1, KV_PAGE_BYTES) for p in (pool, draft_pool) if p for i in range(p.layer_num)]
-        index = [p.index_key_cache.buffer[i] for p in (pool, draft_pool) if p for i in range(p.layer_num)]
+        latent = [p.kv_buffer[i].view(torch.uint8).view(-1, KV_PAGE_BYTES) for p in (pool, draft_pool) if p is not None for i in range(p.layer_num)]
+        index = [p.index_key_cache.buffer[i] for p in (pool, draft_pool) if p is not None for i in range(p.layer_num)]
         for t in latent + index:
             t.fill_(SENTINEL)
         queue_stub = SimpleNamespace(
