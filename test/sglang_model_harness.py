@@ -144,7 +144,9 @@ def build_model(sa, seed: int = 0):
 class Engine:
     """One rank's model, KV pool, DSA backend and request table: what SGLang's ModelRunner holds."""
 
-    def __init__(self, sa, mc, model, pool_pages: int, cp_group=None, max_len: int = 1024, scratch_pages: int = 0):
+    def __init__(
+        self, sa, mc, model, pool_pages: int, cp_group=None, max_len: int = 1024, scratch_pages: int = 0, layer_num=None
+    ):
         from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
         from sglang.srt.runtime_context import get_parallel
 
@@ -152,7 +154,7 @@ class Engine:
         self.sa, self.mc, self.model = sa, mc, model
         self.device = torch.device("cuda", torch.cuda.current_device()) if sa.device == "cuda" else torch.device("cpu")
         kw = dict(size=pool_pages * PAGE, page_size=PAGE, kv_lora_rank=cfg.kv_lora_rank, dtype=torch.bfloat16,
-                  qk_rope_head_dim=cfg.qk_rope_head_dim, layer_num=cfg.num_hidden_layers, device=self.device,
+                  qk_rope_head_dim=cfg.qk_rope_head_dim, layer_num=layer_num or cfg.num_hidden_layers, device=self.device,
                   index_head_dim=cfg.index_head_dim, enable_memory_saver=False,
                   kv_cache_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim)  # fmt: skip
         par = get_parallel()
@@ -223,7 +225,12 @@ class Engine:
         return fb
 
     def run(self, fb):
-        """SGLang's EagerRunner._execute_extend / _execute_decode, minus its load/timer plumbing."""
+        """The batch's next-token logits (float32, on the CPU)."""
+        return self.run_output(fb).next_token_logits.float().cpu()
+
+    def run_output(self, fb):
+        """SGLang's EagerRunner._execute_extend / _execute_decode, minus its load/timer plumbing:
+        the logits processor's output."""
         from sglang.srt.layers.cp.utils import is_cp_active, prepare_cp_forward
         from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
         from sglang.srt.model_executor.runner.eager_runner import EagerRunner
@@ -241,7 +248,7 @@ class Engine:
                 out = EagerRunner._execute_extend_cp(SimpleNamespace(model_runner=self.runner), fb, {})
             else:
                 out = self.model.forward(fb.input_ids, fb.positions, fb)
-        return out.next_token_logits.float().cpu()
+        return out
 
 
 # ---- one rank's scenario ---------------------------------------------------------------------------

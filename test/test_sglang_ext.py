@@ -67,9 +67,13 @@ def models(tmp_path_factory):
         if not dsa:
             for key in ("index_topk", "index_head_dim", "index_n_heads"):
                 config.pop(key)
-        (root / name).mkdir()
-        (root / name / "config.json").write_text(json.dumps(config))
-        paths[name] = str(root / name)
+        variants = {name: config}
+        if dsa:  # the same checkpoint with its MTP layer (what EAGLE / NEXTN drafts with)
+            variants[f"{name}_mtp"] = dict(config, num_nextn_predict_layers=1)
+        for variant, cfg in variants.items():
+            (root / variant).mkdir()
+            (root / variant / "config.json").write_text(json.dumps(cfg))
+            paths[variant] = str(root / variant)
     return paths
 
 
@@ -154,6 +158,19 @@ def test_supported_configuration_resolves_enabled_and_reaches_the_schedulers(plu
     assert not getattr(_resolve(_argv(models[model])[:-1]), ATTR, False)
 
 
+@pytest.mark.parametrize("model,algorithm", [("v32_mtp", "NEXTN"), ("glm5_mtp", "EAGLE")])
+def test_mtp_speculative_decoding_resolves_enabled(plugin, models, sm90, model, algorithm):
+    """EAGLE / NEXTN with the checkpoint's own MTP layer: the draft's DSA pool is shared like the
+    target's (docs/speculative.md); SGLang resolves NEXTN to EAGLE after our first check."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    from sglang_nsa_cp.sglang_ext.server_args import ATTR
+
+    server_args = _resolve(_argv(models[model], {"--speculative-algorithm": algorithm}))
+    assert getattr(server_args, ATTR) is True
+    assert resolving_view(server_args).speculative_algorithm == "EAGLE"
+
+
 def test_env_var_enables_it_for_engine_users(plugin, models, sm90, monkeypatch):
     """`sglang.Engine(**kwargs)` builds ServerArgs without the parser: the env var asks instead."""
     from sglang.srt.server_args import ServerArgs
@@ -184,7 +201,9 @@ BAD = [
     ("fp8 KV", "v32", {"--kv-cache-dtype": "fp8_e4m3"}, "supports a bf16 KV cache only"),
     ("tilelang", "v32", {"--dsa-prefill-backend": "tilelang"}, "supports --dsa-prefill-backend flashmla_sparse only"),
     ("HiCache", "v32", {"--enable-hierarchical-cache": None}, "does not support HiCache"),
-    ("speculative", "glm5", {"--speculative-algorithm": "EAGLE"}, "does not support speculative decoding"),
+    ("speculative without MTP layer", "glm5", {"--speculative-algorithm": "EAGLE"}, "needs a checkpoint with one MTP layer"),
+    ("EAGLE3", "glm5_mtp", {"--speculative-algorithm": "EAGLE3"}, "supports speculative decoding with --speculative-algorithm EAGLE/NEXTN"),
+    ("multi-layer EAGLE", "v32_mtp", {"--speculative-algorithm": "NEXTN", "--enable-multi-layer-eagle": None}, "does not support --enable-multi-layer-eagle"),
     ("PP", "v32", {"--pp-size": "2"}, "does not support pipeline parallelism"),
     ("TBO", "v32", {"--enable-two-batch-overlap": None}, "does not support --enable-two-batch-overlap"),
     ("KV checksum", "v32", {"--disaggregation-enable-kv-checksum": None}, "does not support --disaggregation-enable-kv-checksum"),

@@ -1,4 +1,4 @@
-"""CPU, ~80-120 s (two runs of 5 and 4 processes, each importing SGLang, on 2 cores): the
+"""CPU, ~120-180 s (three runs of 5, 4 and 4 processes, each importing SGLang, on 2 cores): the
 owned-page PD transfer inside SGLang 0.5.23's Mooncake disaggregation (sglang_ext/disaggregation/).
 
 Every role is its own spawned process running SGLang's real classes over Mooncake's TCP transport
@@ -15,6 +15,8 @@ on 127.0.0.1, the way a prefill CP rank and a decode scheduler run them:
   `DecodePreallocQueue._init_kv_manager`, and per request a `MooncakeKVReceiver`
   (`try_ensure_parallel_info`, `init`, `send_metadata` with its destination pages, `poll`). One
   decode loads the plugin (no flag), one is stock SGLang (plugin not loaded).
+- with EAGLE / NEXTN: an MTP draft pool on each side (the prefill's a shard, the decode's stock),
+  registered through the same `_init_kv_manager` calls as SGLang's draft KV pool.
 
 Checked: a committed request's pages (MLA latent and index-K, every layer) are at the decode pages
 of their positions and nothing else in the decode pool changed; each rank writes exactly its owned
@@ -76,14 +78,15 @@ def _env(waiting_timeout=None):
 
 
 def _pattern(logical: int, layer: int, kind: int, nbytes: int) -> torch.Tensor:
-    """The bytes of one page of one layer: kind 0 = MLA latent, 1 = index K/scale."""
+    """The bytes of one page of one layer: kind 0 = MLA latent, 1 = index K/scale. The MTP draft's
+    one layer is layer LAYERS."""
     base = (logical * 131 + layer * 17 + kind * 7) % 251
     return ((torch.arange(nbytes, dtype=torch.int64) * (2 * kind + 3) + base) % 251).to(torch.uint8)
 
 
-def _pool_kwargs(size):
+def _pool_kwargs(size, layers=LAYERS):
     return dict(size=size, page_size=PAGE, kv_lora_rank=512, dtype=torch.bfloat16, qk_rope_head_dim=64,
-                layer_num=LAYERS, device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=KV_DIM)  # fmt: skip
+                layer_num=layers, device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=KV_DIM)  # fmt: skip
 
 
 def _publish(mode, cp_size, cp_rank, bootstrap_port, shared_kv):
@@ -208,14 +211,14 @@ class _Traffic:
         FastQueue.get, MooncakeKVManager._transfer_data, MooncakeKVManager.send_aux = tagged_get, counted_transfer, flagged_send_aux
 
 
-def _fill_shard(pool, rank, cp_size):
-    for layer in range(LAYERS):
+def _fill_shard(pool, rank, cp_size, first_layer=0):
+    for layer in range(pool.layer_num):
         latent = pool.store.latent[layer].view(torch.uint8).view(pool.store.local_pages, -1)
         index = pool.store.index[layer]
         assert latent.shape[1] == KV_PAGE_BYTES and index.shape[1] == INDEX_PAGE_BYTES
         for logical in range(rank, pool.num_logical_pages, cp_size):
-            latent[logical // cp_size] = _pattern(logical, layer, 0, KV_PAGE_BYTES)
-            index[logical // cp_size] = _pattern(logical, layer, 1, INDEX_PAGE_BYTES)
+            latent[logical // cp_size] = _pattern(logical, first_layer + layer, 0, KV_PAGE_BYTES)
+            index[logical // cp_size] = _pattern(logical, first_layer + layer, 1, INDEX_PAGE_BYTES)
 
 
 def _install_faults(rank, faults, traffic):
@@ -266,7 +269,7 @@ def _install_faults(rank, faults, traffic):
     plugin_conn.self_check = lenient_self_check
 
 
-def _prefill_rank(rank, cp_size, bootstrap_port, requests, faults, results, stop):
+def _prefill_rank(rank, cp_size, bootstrap_port, requests, faults, results, stop, draft=False):
     try:
         _env()
         _load_plugin()
@@ -282,15 +285,22 @@ def _prefill_rank(rank, cp_size, bootstrap_port, requests, faults, results, stop
         if rank == 0:  # in SGLang the prefill's HTTP server process runs it
             MooncakeKVBootstrapServer("127.0.0.1", bootstrap_port)
         _wait(lambda: _port_open(bootstrap_port), bool, 90, "bootstrap server", interval_s=0.2)
+        draft_pool = None
         with get_parallel().override(attn_dcp_size=1, dcp_enabled=False):
             pool = SharedKVDSATokenToKVPool(**_pool_kwargs((PREFILL_PAGES - 1) * PAGE), cp_rank=rank, cp_size=cp_size, cp_group=None)
+            if draft:  # the MTP layer's own shard, as the configurator hook builds it for an EAGLE draft
+                draft_pool = SharedKVDSATokenToKVPool(
+                    **_pool_kwargs((PREFILL_PAGES - 1) * PAGE, layers=1), cp_rank=rank, cp_size=cp_size, cp_group=None
+                )
         _fill_shard(pool, rank, cp_size)
+        if draft_pool is not None:
+            _fill_shard(draft_pool, rank, cp_size, first_layer=LAYERS)
         traffic = _Traffic()
         traffic.install()
         _install_faults(rank, faults, traffic)
         queue_stub = SimpleNamespace(
             transfer_backend=TransferBackend.MOONCAKE, tp_rank=rank, pp_rank=0, token_to_kv_pool=pool,
-            draft_token_to_kv_pool=None, is_mla_backend=True, metadata_buffers=_metadata_buffers(),
+            draft_token_to_kv_pool=draft_pool, is_mla_backend=True, metadata_buffers=_metadata_buffers(),
             scheduler=_scheduler_stub(server_args),
         )  # fmt: skip
         mgr = PrefillBootstrapQueue._init_kv_manager(queue_stub)
@@ -342,7 +352,7 @@ def _prefill_rank(rank, cp_size, bootstrap_port, requests, faults, results, stop
 
 
 # ---- the decode instance ------------------------------------------------------------------------------
-def _decode(name, plugin, bootstrap_port, requests, results, stop):
+def _decode(name, plugin, bootstrap_port, requests, results, stop, draft=False):
     try:
         _env(waiting_timeout=WAITING_TIMEOUT_S)
         if plugin:
@@ -361,13 +371,15 @@ def _decode(name, plugin, bootstrap_port, requests, results, stop):
             assert not HookRegistry._patched, "the stock decode must run without the plugin"
         with get_parallel().override(attn_dcp_size=1, dcp_enabled=False):
             pool = DSATokenToKVPool(**_pool_kwargs((DECODE_PAGES - 1) * PAGE))
-        latent = [pool.kv_buffer[i].view(torch.uint8).view(-1, KV_PAGE_BYTES) for i in range(LAYERS)]
-        index = [pool.index_key_cache.buffer[i] for i in range(LAYERS)]
+            draft_pool = DSATokenToKVPool(**_pool_kwargs((DECODE_PAGES - 1) * PAGE, layers=1)) if draft else None
+        # one entry per layer: the target's, then the MTP draft's (layer LAYERS)
+        latent = [p.kv_buffer[i].view(torch.uint8).view(-1, KV_PAGE_BYTES) for p in (pool, draft_pool) if p is not None for i in range(p.layer_num)]
+        index = [p.index_key_cache.buffer[i] for p in (pool, draft_pool) if p is not None for i in range(p.layer_num)]
         for t in latent + index:
             t.fill_(SENTINEL)
         queue_stub = SimpleNamespace(
             transfer_backend=TransferBackend.MOONCAKE, tp_rank=0, pp_rank=0, token_to_kv_pool=pool,
-            draft_token_to_kv_pool=None, is_mla_backend=True, metadata_buffers=_metadata_buffers(),
+            draft_token_to_kv_pool=draft_pool, is_mla_backend=True, metadata_buffers=_metadata_buffers(),
             enable_staging=False, scheduler=_scheduler_stub(server_args),
         )  # fmt: skip
         mgr = DecodePreallocQueue._init_kv_manager(queue_stub)
@@ -395,7 +407,7 @@ def _decode(name, plugin, bootstrap_port, requests, results, stop):
             wrong = []
             if status == KVPoll.Success:
                 for k, (logical, page) in enumerate(zip(req["pages"], dst)):
-                    for layer in range(LAYERS):
+                    for layer in range(len(latent)):
                         if not torch.equal(latent[layer][page], _pattern(logical, layer, 0, KV_PAGE_BYTES)):
                             wrong.append(("latent", k, layer))
                         if not torch.equal(index[layer][page], _pattern(logical, layer, 1, INDEX_PAGE_BYTES)):
@@ -432,15 +444,16 @@ def _abort_and_wait_for_drain(mgr, receiver, req, latent, dst):
 
 
 # ---- the harness --------------------------------------------------------------------------------------
-def _run(cp_size, decodes, prefill_requests, faults, timeout_s=240):
-    """Start N prefill ranks and the decodes; return their reports. decodes: {name: (plugin, requests)}."""
+def _run(cp_size, decodes, prefill_requests, faults, timeout_s=240, draft=False):
+    """Start N prefill ranks and the decodes; return their reports. decodes: {name: (plugin, requests)};
+    draft: every side also registers an MTP draft pool (EAGLE / NEXTN)."""
     ctx = mp.get_context("spawn")
     results, stop = ctx.Queue(), ctx.Event()
     port = free_port()
-    procs = {("prefill", r): ctx.Process(target=_prefill_rank, args=(r, cp_size, port, prefill_requests, faults, results, stop), daemon=True)
+    procs = {("prefill", r): ctx.Process(target=_prefill_rank, args=(r, cp_size, port, prefill_requests, faults, results, stop, draft), daemon=True)
              for r in range(cp_size)}  # fmt: skip
     for name, (plugin, reqs) in decodes.items():
-        procs[("decode", name)] = ctx.Process(target=_decode, args=(name, plugin, port, reqs, results, stop), daemon=True)
+        procs[("decode", name)] = ctx.Process(target=_decode, args=(name, plugin, port, reqs, results, stop, draft), daemon=True)
     for p in procs.values():
         p.start()
     reports = {"ready": {}, "room": {}, "done": set()}
@@ -581,6 +594,39 @@ def test_two_ranks_serve_a_plugin_decode_and_a_stock_decode():
 
 
 # ---- the bookkeeping and the hooks' pass-through, in process ---------------------------------------------
+def test_mtp_draft_pages_ride_the_owned_page_transfer():
+    """EAGLE / NEXTN (docs/speculative.md): the MTP layer's own shared pool registered as SGLang's
+    draft KV pool on the prefill ranks, a stock `DSATokenToKVPool` draft pool on each decode. N = 2,
+    a plugin decode and a stock decode: the draft's latent and index-K pages land at the decode's
+    draft pages of their positions next to the target's, each rank sending the draft pages it owns
+    (bytes = owned pages x (target + draft) page bytes); a page a rank drops fails the request with
+    the rank's reason (the draft's entries share the target's page list: a lost position is lost for
+    both, and the same all-or-nothing commit covers them); the next request commits."""
+    n = 2
+    p_dst, s_dst = iter(range(1, DECODE_PAGES)), iter(range(1, DECODE_PAGES))
+    p_reqs = [
+        _request(400, list(range(10, 21)), [next(p_dst) for _ in range(11)], chunks=[6, 5]),
+        _request(401, [3, 8, 13, 22, 31], [next(p_dst) for _ in range(5)]),
+    ]
+    s_reqs = [
+        _request(500, [30, 5, 17, 2, 44, 9], [next(s_dst) for _ in range(6)], chunks=[2, 4]),
+        _request(501, list(range(24, 31)), [next(s_dst) for _ in range(7)]),
+        _request(502, [40, 41, 42], [next(s_dst) for _ in range(3)]),
+    ]
+    faults = {("drop", 0): {501}}
+    reports = _run(n, {"plugin": (True, p_reqs), "stock": (False, s_reqs)}, p_reqs + s_reqs, faults, draft=True)
+    info = reports["ready"][0]
+    # SGLang appends the draft's buffers after the target's: one more latent and one more index-K entry
+    assert info["kv_item_lens"] == [KV_PAGE_BYTES] * (LAYERS + 1), info
+    assert info["state_item_lens"][0] == [INDEX_PAGE_BYTES] * (LAYERS + 1), info
+    for req in p_reqs:
+        _check_committed(reports, "plugin", req, n, info)
+    _check_committed(reports, "stock", s_reqs[0], n, info)
+    lost = _owned(s_reqs[1]["pages"], 0, n)[0]
+    _check_failed(reports, "stock", 501, f"CP rank 0 of 2: owned KV pages not sent at positions [{lost}]")
+    _check_committed(reports, "stock", s_reqs[2], n, info)
+
+
 def _ledger_with(queued, index=True):
     """N = 2, pages [10..15] sent in chunks of 4 and 2; rank 0 queues `queued` (position -> local)."""
     from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import OwnedPageLedger

@@ -65,6 +65,7 @@ def test_logical_capacity_grows_n_times_for_the_same_memory():
 def test_derive_pool_sizes_hook_scales_the_logical_capacity():
     from sglang.srt.mem_cache.kv_cache_configurator import _PoolSizes
     from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     from sglang_nsa_cp.sglang_ext.environ import envs
     from sglang_nsa_cp.sglang_ext.mem_cache.kv_cache_configurator import derive_pool_sizes
@@ -76,12 +77,16 @@ def test_derive_pool_sizes_hook_scales_the_logical_capacity():
     )  # fmt: skip
     dsa = SimpleNamespace(architectures=["DeepseekV32ForCausalLM"], index_topk=2048)
     target = SimpleNamespace(is_draft_worker=False, model_config=SimpleNamespace(hf_config=dsa))
-    draft = SimpleNamespace(is_draft_worker=True, model_config=target.model_config)
+    # An EAGLE (MTP) draft is sized from the target's unmultiplied config and must span the same
+    # logical slots; other drafts are refused at start-up and left alone here.
+    mtp_draft = SimpleNamespace(is_draft_worker=True, model_config=target.model_config, spec_algorithm=SpeculativeAlgorithm.EAGLE)
+    eagle3_draft = SimpleNamespace(**{**vars(mtp_draft), "spec_algorithm": SpeculativeAlgorithm.EAGLE3})
     original = lambda self, *, config: sizes  # noqa: E731
     with get_parallel().override(attn_cp_size=4):
         with envs.SGLANG_NSA_CP_SHARED_KV.override(True):
             assert derive_pool_sizes(original, target, config=None).max_total_num_tokens == 4 * 640
-            assert derive_pool_sizes(original, draft, config=None).max_total_num_tokens == 640
+            assert derive_pool_sizes(original, mtp_draft, config=None).max_total_num_tokens == 4 * 640
+            assert derive_pool_sizes(original, eagle3_draft, config=None) is sizes
         with envs.SGLANG_NSA_CP_SHARED_KV.override(False):
             assert derive_pool_sizes(original, target, config=None) is sizes
 
@@ -103,6 +108,7 @@ def _chunked_prefill(size):
 def test_build_dsa_kv_pool_hook_builds_the_shared_pool_for_this_cp_rank():
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
     from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     from sglang_nsa_cp.sglang_ext.environ import envs
     from sglang_nsa_cp.sglang_ext.mem_cache.kv_cache_configurator import build_dsa_kv_pool
@@ -123,6 +129,12 @@ def test_build_dsa_kv_pool_hook_builds_the_shared_pool_for_this_cp_rank():
             # 200-token chunk (4 pages) + the trash page, in each of two halves
             page_bytes = PAGE * (KV_DIM * 2 + 132)
             assert pool.prefetcher.scratch_bytes() == 2 * (16 + 4 + 1) * page_bytes
+            # an EAGLE (MTP) draft worker gets its own shard with the same owners and scratch
+            draft = SimpleNamespace(**{**vars(configurator), "is_draft_worker": True, "spec_algorithm": SpeculativeAlgorithm.EAGLE})
+            draft_pool = build_dsa_kv_pool(original, draft, max_total_num_tokens=8 * PAGE, max_running_requests=4, dsa_pool_class=DSATokenToKVPool)
+            assert isinstance(draft_pool, SharedKVDSATokenToKVPool) and draft_pool.store is not pool.store
+            assert (draft_pool.cp_rank, draft_pool.cp_size, draft_pool.size) == (2, 4, pool.size)
+            assert draft_pool.prefetcher.scratch_bytes() == pool.prefetcher.scratch_bytes()
             with pytest.raises(RuntimeError, match="instead of the shared-KV pool"):
                 build_dsa_kv_pool(
                     lambda self, **kw: DSATokenToKVPool(**_pool_kwargs(8 * PAGE)),
@@ -136,6 +148,8 @@ def test_scratch_is_charged_against_the_kv_budget():
     from sglang.srt.runtime_context import get_parallel
 
     from sglang_nsa_cp.sglang_ext.environ import envs
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
     from sglang_nsa_cp.sglang_ext.mem_cache.kv_cache_configurator import scratch_bytes
 
     original = lambda kvc, *, include_mtp=False: 4096  # noqa: E731  (SGLang's own, e.g. another sharded pool)
@@ -144,7 +158,9 @@ def test_scratch_is_charged_against_the_kv_budget():
         with envs.SGLANG_NSA_CP_SHARED_KV.override(True):
             # 128k context: 2048 history pages + a 128-page chunk + the trash page, two halves
             assert scratch_bytes(original, _configurator(131072)) == 4096 + 2 * (2048 + 128 + 1) * page_bytes
-            draft = SimpleNamespace(**{**vars(_configurator()), "is_draft_worker": True})
+            # with an EAGLE (MTP) draft SGLang asks the target for both pools' scratch
+            assert scratch_bytes(original, _configurator(131072), include_mtp=True) == 4096 + 2 * 2 * (2048 + 128 + 1) * page_bytes
+            draft = SimpleNamespace(**{**vars(_configurator()), "is_draft_worker": True, "spec_algorithm": SpeculativeAlgorithm.EAGLE})
             assert scratch_bytes(original, draft) == 4096
         with envs.SGLANG_NSA_CP_SHARED_KV.override(False):
             assert scratch_bytes(original, _configurator(131072)) == 4096

@@ -18,10 +18,11 @@ Patch ledger (target / why / how / upstream / when it can go):
   before any process starts. How: wrappers that check, then call SGLang's step. Permanent.
 - `KVCacheConfigurator._derive_pool_sizes` (AROUND) -- mem_cache/kv_cache_configurator.py.
   Why: each rank stores 1/N of the logical pages, so the same memory holds N x the tokens.
-  How: logical `max_total_num_tokens` x attn_cp_size for the target worker's DSA pool.
+  How: logical `max_total_num_tokens` x attn_cp_size for the target worker's DSA pool and an
+  EAGLE (MTP) draft worker's, which spans the same logical slots (docs/speculative.md).
 - `KVCacheConfigurator._build_dsa_kv_pool` (AROUND) -- mem_cache/kv_cache_configurator.py.
-  Why: build the sharded pool instead of `DSATokenToKVPool`. How: pass our class as
-  `dsa_pool_class`. Both go if SGLang adopts an owner-sharded DSA pool (PRs #29847, #31435, #35309).
+  Why: build the sharded pool instead of `DSATokenToKVPool`, for the target and the MTP draft.
+  How: pass our class as `dsa_pool_class`. Both go if SGLang adopts an owner-sharded DSA pool (PRs #29847, #31435, #35309).
 - `sglang.srt.layers.cp.utils.cp_gather_after_forward` (AROUND) -- layers/cp/utils.py. Why: the
   narrow tail gather (N x bs rows instead of every token). How: for batches that need only the
   last tokens, gather those rows with `comm.gather_last_token_hidden`.

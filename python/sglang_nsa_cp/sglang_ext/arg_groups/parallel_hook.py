@@ -35,6 +35,7 @@ SUPPORTED_CP_STRATEGIES = ("interleave",)
 SUPPORTED_KV_CACHE_DTYPES = ("bfloat16", "bf16")
 SUPPORTED_DSA_PREFILL_BACKENDS = ("flashmla_sparse",)
 DSA_PAGE_SIZE = 64
+SUPPORTED_SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")  # SGLang resolves NEXTN to EAGLE
 
 
 class SharedKVConfigError(ValueError):
@@ -72,6 +73,45 @@ def _model_problems(server_args: Any) -> list[str]:
             f"{get_dsa_index_kpool_compress(hf_config)}); serve a model with index_kpool 1 or drop {FLAG}"
         ]
     return []
+
+
+def _speculative_problems(server_args: Any, cfg: Any) -> list[str]:
+    """EAGLE / NEXTN with the checkpoint's own single MTP layer: its DSA pool is shared like the
+    target's (docs/speculative.md). Other drafts bring pools the plugin does not shard."""
+    algorithm = cfg.speculative_algorithm
+    if algorithm is None:
+        return []
+    if str(algorithm).upper() not in SUPPORTED_SPECULATIVE_ALGORITHMS:
+        return [
+            f"supports speculative decoding with --speculative-algorithm {'/'.join(SUPPORTED_SPECULATIVE_ALGORITHMS)} "
+            f"(the model's own MTP layer) only, got {algorithm}: other drafts bring their own non-DSA pool (EAGLE3's "
+            "is MHA), which would keep per-rank capacity under N times as many logical slots; use NEXTN or drop "
+            "--speculative-algorithm on the prefill instance"
+        ]
+    problems = []
+    if cfg.speculative_draft_model_path not in (None, cfg.model_path):
+        problems.append(
+            f"needs the checkpoint's own MTP layer as the draft, got --speculative-draft-model-path "
+            f"{cfg.speculative_draft_model_path}; leave it unset"
+        )
+    if cfg.enable_multi_layer_eagle:
+        problems.append(
+            "does not support --enable-multi-layer-eagle (one draft runner and pool per MTP step, not shared "
+            "yet); drop it"
+        )
+    hf_config = model_config_of(server_args).hf_config
+    if getattr(hf_config, "num_nextn_predict_layers", 0) != 1:
+        problems.append(
+            f"needs a checkpoint with one MTP layer for {algorithm} (config num_nextn_predict_layers="
+            f"{getattr(hf_config, 'num_nextn_predict_layers', None)}); drop --speculative-algorithm"
+        )
+    if getattr(hf_config, "index_share_for_mtp_iteration", False):
+        problems.append(
+            "does not support MTP IndexShare (config index_share_for_mtp_iteration): the prefill sends the "
+            "draft indexer's top-k captured under CP, not verified with the shared pool; drop "
+            "--speculative-algorithm on the prefill instance"
+        )
+    return problems
 
 
 def find_problems(server_args: Any) -> list[str]:
@@ -149,11 +189,7 @@ def find_problems(server_args: Any) -> list[str]:
             "does not support HiSparse or LMCache yet (they copy whole pages of the pool, while each rank "
             "holds only its own pages); drop --enable-hisparse/--enable-lmcache"
         )
-    if cfg.speculative_algorithm is not None:
-        problems.append(
-            f"does not support speculative decoding yet (got --speculative-algorithm {cfg.speculative_algorithm}: "
-            "the draft model needs every token's hidden state and its own pool); drop it on the prefill instance"
-        )
+    problems += _speculative_problems(server_args, cfg)
     if cfg.pp_size != 1:
         problems.append(f"does not support pipeline parallelism yet, got --pp-size {cfg.pp_size}; use --pp-size 1")
     if cfg.dcp_size != 1:

@@ -1,16 +1,22 @@
 """Build the shared-KV DSA pool. Mirrors `sglang/srt/mem_cache/kv_cache_configurator.py`.
 
-Targets (both pass-through unless shared KV is enabled, and never for a draft worker):
+Targets (all pass-through unless shared KV is enabled), for the target worker's DSA pool and for
+an EAGLE/NEXTN draft worker's (the MTP layer's own DSA pool, docs/speculative.md):
 - `KVCacheConfigurator._derive_pool_sizes` (AROUND): SGLang sizes the pool from the bytes one
   rank can spend per token. A shared-KV rank spends them on 1/N of the logical pages, so the same
   budget holds N x the tokens: the logical `max_total_num_tokens` (what the allocator hands out
   and the scheduler reports) is multiplied by attn_cp_size. The per-rank bytes do not change.
+  A draft worker is sized from the target's unmultiplied `memory_pool_config`, so it is
+  multiplied the same way: both pools span the one allocator's logical slots.
 - `KVCacheConfigurator._build_dsa_kv_pool` (AROUND): SGLang's DSA pool class becomes
-  `SharedKVDSATokenToKVPool` bound to this rank's CP group, with its dense scratch reserved.
+  `SharedKVDSATokenToKVPool` bound to this rank's CP group, with its dense scratch reserved. The
+  draft's pool is its own shard with the target's owners (page p on rank p % N, local page
+  p // N): the PD transfer sends the draft's KV entries at the target's owned local page ids.
 - `page_interleave.compute_page_shard_scratch_bytes` (AROUND; SGLang's pool sizing subtracts it
   from the KV budget before sizing the pool): adds the shared pool's double-buffered dense scratch
   (two layers' dense views of one context of history plus one chunk), so the scratch is charged
-  like SGLang's own sharded pools charge theirs instead of coming out of activation memory.
+  like SGLang's own sharded pools charge theirs instead of coming out of activation memory. With
+  an EAGLE draft (`include_mtp`, SGLang passes it for the target) the draft pool's scratch too.
 """
 
 from __future__ import annotations
@@ -25,9 +31,14 @@ from sglang_nsa_cp.sglang_ext.server_args import is_enabled
 
 
 def _applies(configurator) -> bool:
-    if not is_enabled() or configurator.is_draft_worker:
+    """The target's DSA pool, or an EAGLE draft's (start-up validation refuses other drafts)."""
+    if not is_enabled():
         return False
     from sglang.srt.configs.model_config import is_deepseek_dsa
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    if configurator.is_draft_worker and configurator.spec_algorithm != SpeculativeAlgorithm.EAGLE:
+        return False
 
     return is_deepseek_dsa(configurator.model_config.hf_config)
 
@@ -54,12 +65,13 @@ def _scratch_pages(configurator) -> int:
 def scratch_bytes(original, kvc, *, include_mtp: bool = False):
     """AROUND `compute_page_shard_scratch_bytes`: SGLang's fixed scratch plus the shared pool's."""
     extra = original(kvc, include_mtp=include_mtp)
-    if not _applies(kvc):
+    if not _applies(kvc) or kvc.is_draft_worker:  # a draft's scratch is charged with its target's
         return extra
     model_config = kvc.model_config
     row_bytes = (model_config.kv_lora_rank + model_config.qk_rope_head_dim) * kvc.kv_cache_dtype.itemsize
     page_bytes = kvc.page_size * (row_bytes + INDEX_ROW_BYTES)
-    return extra + 2 * _scratch_pages(kvc) * page_bytes
+    pools = 2 if include_mtp else 1  # the draft's pool has its own double-buffered scratch
+    return extra + pools * 2 * _scratch_pages(kvc) * page_bytes
 
 
 def build_dsa_kv_pool(original, self, *, max_total_num_tokens, max_running_requests, dsa_pool_class):

@@ -329,7 +329,10 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
         raise NotImplementedError("the shared-KV DSA pool is written through set_mla_kv_buffer")
 
     def move_kv_cache(self, tgt_loc, src_loc):
-        raise NotImplementedError("moving KV between slots needs a transfer between page owners (speculative decoding is not supported)")
+        raise NotImplementedError(
+            "moving KV between slots needs a transfer between page owners; speculative verify does this "
+            "on a decode instance, and this pool serves only a PD prefill"
+        )
 
     def get_cpu_copy(self, *args, **kwargs):
         raise NotImplementedError("CPU offload of a shared-KV pool is not supported (each rank holds only its own pages)")
