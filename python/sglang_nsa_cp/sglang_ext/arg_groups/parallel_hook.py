@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 SGLANG_VERSION = "0.5.23"
 SUPPORTED_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 SUPPORTED_CP_STRATEGIES = ("interleave",)
-SUPPORTED_KV_CACHE_DTYPES = ("bfloat16", "bf16")
+SUPPORTED_KV_CACHE_DTYPES = ("bfloat16", "bf16", "fp8_e4m3")
 SUPPORTED_DSA_PREFILL_BACKENDS = ("flashmla_sparse",)
 DSA_PAGE_SIZE = 64
 
@@ -129,13 +129,16 @@ def find_problems(server_args: Any) -> list[str]:
         )
     if cfg.dsa_prefill_backend not in SUPPORTED_DSA_PREFILL_BACKENDS:
         problems.append(
-            f"supports --dsa-prefill-backend {'/'.join(SUPPORTED_DSA_PREFILL_BACKENDS)} only (the page-table "
-            f"readers of the bf16 latent cache), got {cfg.dsa_prefill_backend!r}; use --dsa-prefill-backend flashmla_sparse"
+            f"supports --dsa-prefill-backend {'/'.join(SUPPORTED_DSA_PREFILL_BACKENDS)} only, got "
+            f"{cfg.dsa_prefill_backend!r} (the dense view is verified against flashmla_sparse's reads: bf16 rows, "
+            "or an fp8 cache's prefix dequantized to bf16; SGLang's fp8 default, flashmla_kv on SM90 and trtllm "
+            "on SM100, reads other layouts); use --dsa-prefill-backend flashmla_sparse"
         )
     if cfg.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
         problems.append(
-            f"supports a bf16 KV cache only for now, got --kv-cache-dtype {cfg.kv_cache_dtype} (the fp8 "
-            "FlashMLA row is stored but not yet wired); add --kv-cache-dtype bfloat16"
+            f"supports a bf16 or fp8_e4m3 KV cache, got --kv-cache-dtype {cfg.kv_cache_dtype} (SGLang's DSA "
+            "pool packs fp8 only as FlashMLA's e4m3 row: 512 fp8 values, 4 fp32 scales, 64 bf16 rope values); "
+            "use --kv-cache-dtype bfloat16 or fp8_e4m3"
         )
     if cfg.enable_hierarchical_cache or cfg.enable_hisparse or cfg.enable_lmcache:
         problems.append(
