@@ -46,8 +46,11 @@ from sglang_nsa_cp.comm.launch import free_port  # noqa: E402
 
 PAGE = 64
 LAYERS = 2
-KV_DIM = 576
-KV_PAGE_BYTES = PAGE * KV_DIM * 2  # bf16 latent rows of one page, one layer
+# --kv-cache-dtype: (pool dtype, SGLang's kv_cache_dim, latent bytes of one page of one layer)
+KV_FORMATS = {
+    "bfloat16": (torch.bfloat16, 576, PAGE * 576 * 2),
+    "fp8_e4m3": (torch.float8_e4m3fn, 656, PAGE * 656),  # FlashMLA rows: 512 fp8 + 4 fp32 scales + 64 bf16
+}
 INDEX_PAGE_BYTES = PAGE * 132  # fp8 keys + fp32 scales of one page, one layer
 PREFILL_PAGES = 48  # logical pages of the prefill pool (page 0: SGLang's padding page)
 DECODE_PAGES = 96
@@ -72,9 +75,32 @@ def _pattern(logical: int, layer: int, kind: int, nbytes: int) -> torch.Tensor:
     return ((torch.arange(nbytes, dtype=torch.int64) * (2 * kind + 3) + base) % 251).to(torch.uint8)
 
 
-def _pool_kwargs(size):
-    return dict(size=size, page_size=PAGE, kv_lora_rank=512, dtype=torch.bfloat16, qk_rope_head_dim=64,
-                layer_num=LAYERS, device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=KV_DIM)  # fmt: skip
+def _pool_kwargs(size, kv="bfloat16"):
+    dtype, kv_cache_dim, _ = KV_FORMATS[kv]
+    return dict(size=size, page_size=PAGE, kv_lora_rank=512, dtype=dtype, qk_rope_head_dim=64,
+                layer_num=LAYERS, device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=kv_cache_dim)  # fmt: skip
+
+
+def _latent(logical: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's bf16 latent of one page of one layer, (k_nope [64, 512], k_rope [64, 64])."""
+    g = torch.Generator().manual_seed(logical * 131 + layer)
+    kv = (torch.randn(PAGE, 576, generator=g) * torch.rand(PAGE, 1, generator=g) * 8).to(torch.bfloat16)
+    return kv[:, :512].contiguous(), kv[:, 512:].contiguous()
+
+
+def _write_latent(pool, pages):
+    """Write `pages`' latent through the pool's own `set_mla_kv_buffer`, as attention does: the
+    shared pool quantizes once and persists its owned rows, SGLang's pool stores every row. The
+    quantizer is the torch twin of SGLang's Triton one in both (sglang_cpu_forward.md: the
+    interpreter is too slow for it)."""
+    import sglang_cpu_stand_ins
+
+    sglang_cpu_stand_ins.install_fp8_kv_stand_ins()
+    for layer in range(LAYERS):
+        for logical in pages:
+            nope, rope = _latent(logical, layer)
+            loc = torch.arange(logical * PAGE, (logical + 1) * PAGE)
+            pool.set_mla_kv_buffer(None, loc, nope, rope, layer_id_override=layer)
 
 
 def _publish(mode, cp_size, cp_rank, bootstrap_port, shared_kv):
@@ -111,8 +137,8 @@ def _load_plugin():
     assert "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.maybe_send_extra" in HookRegistry._patched
 
 
-def _scheduler_stub(server_args, **extra):
-    model_runner = SimpleNamespace(kv_cache_dtype_str="bfloat16")
+def _scheduler_stub(server_args, kv="bfloat16", **extra):
+    model_runner = SimpleNamespace(kv_cache_dtype_str=kv)
     return SimpleNamespace(
         rust_server=None, tp_worker=SimpleNamespace(model_runner=model_runner), enable_hisparse=False,
         model_config=SimpleNamespace(hf_text_config=SimpleNamespace(), num_hidden_layers=LAYERS),
@@ -197,14 +223,20 @@ class _Traffic:
         FastQueue.get, MooncakeKVManager._transfer_data, MooncakeKVManager.send_aux = tagged_get, counted_transfer, flagged_send_aux
 
 
-def _fill_shard(pool, rank, cp_size):
+def _fill_shard(pool, rank, cp_size, kv, latent_pages):
+    """bf16: byte patterns of (page, layer, kind) in every owned page. fp8: the index pages the
+    same, the latent of `latent_pages` written by the pool from `_latent` (quantized on write)."""
+    page_bytes = KV_FORMATS[kv][2]
     for layer in range(LAYERS):
         latent = pool.store.latent[layer].view(torch.uint8).view(pool.store.local_pages, -1)
         index = pool.store.index[layer]
-        assert latent.shape[1] == KV_PAGE_BYTES and index.shape[1] == INDEX_PAGE_BYTES
+        assert latent.shape[1] == page_bytes and index.shape[1] == INDEX_PAGE_BYTES
         for logical in range(rank, pool.num_logical_pages, cp_size):
-            latent[logical // cp_size] = _pattern(logical, layer, 0, KV_PAGE_BYTES)
+            if kv == "bfloat16":
+                latent[logical // cp_size] = _pattern(logical, layer, 0, page_bytes)
             index[logical // cp_size] = _pattern(logical, layer, 1, INDEX_PAGE_BYTES)
+    if kv != "bfloat16":
+        _write_latent(pool, latent_pages)
 
 
 def _install_faults(rank, faults):
@@ -236,7 +268,7 @@ def _install_faults(rank, faults):
     plugin_conn.self_check = lenient_self_check
 
 
-def _prefill_rank(rank, cp_size, bootstrap_port, requests, faults, results, stop):
+def _prefill_rank(rank, cp_size, bootstrap_port, requests, faults, results, stop, kv="bfloat16"):
     try:
         _env()
         _load_plugin()
@@ -253,15 +285,15 @@ def _prefill_rank(rank, cp_size, bootstrap_port, requests, faults, results, stop
             MooncakeKVBootstrapServer("127.0.0.1", bootstrap_port)
         _wait(lambda: _port_open(bootstrap_port), bool, 90, "bootstrap server", interval_s=0.2)
         with get_parallel().override(attn_dcp_size=1, dcp_enabled=False):
-            pool = SharedKVDSATokenToKVPool(**_pool_kwargs((PREFILL_PAGES - 1) * PAGE), cp_rank=rank, cp_size=cp_size, cp_group=None)
-        _fill_shard(pool, rank, cp_size)
+            pool = SharedKVDSATokenToKVPool(**_pool_kwargs((PREFILL_PAGES - 1) * PAGE, kv), cp_rank=rank, cp_size=cp_size, cp_group=None)
+            _fill_shard(pool, rank, cp_size, kv, sorted({p for req in requests for p in req["pages"]}))
         traffic = _Traffic()
         traffic.install()
         _install_faults(rank, faults)
         queue_stub = SimpleNamespace(
             transfer_backend=TransferBackend.MOONCAKE, tp_rank=rank, pp_rank=0, token_to_kv_pool=pool,
             draft_token_to_kv_pool=None, is_mla_backend=True, metadata_buffers=_metadata_buffers(),
-            scheduler=_scheduler_stub(server_args),
+            scheduler=_scheduler_stub(server_args, kv),
         )  # fmt: skip
         mgr = PrefillBootstrapQueue._init_kv_manager(queue_stub)
         assert mgr.enable_all_cp_ranks_for_transfer and not mgr.is_dummy_cp_rank
@@ -310,7 +342,7 @@ def _prefill_rank(rank, cp_size, bootstrap_port, requests, faults, results, stop
 
 
 # ---- the decode instance ------------------------------------------------------------------------------
-def _decode(name, plugin, bootstrap_port, requests, results, stop):
+def _decode(name, plugin, bootstrap_port, requests, results, stop, kv="bfloat16"):
     try:
         _env(waiting_timeout=WAITING_TIMEOUT_S)
         if plugin:
@@ -327,16 +359,22 @@ def _decode(name, plugin, bootstrap_port, requests, results, stop):
             from sglang.srt.plugins.hook_registry import HookRegistry
 
             assert not HookRegistry._patched, "the stock decode must run without the plugin"
+        page_bytes = KV_FORMATS[kv][2]
         with get_parallel().override(attn_dcp_size=1, dcp_enabled=False):
-            pool = DSATokenToKVPool(**_pool_kwargs((DECODE_PAGES - 1) * PAGE))
-        latent = [pool.kv_buffer[i].view(torch.uint8).view(-1, KV_PAGE_BYTES) for i in range(LAYERS)]
+            pool = DSATokenToKVPool(**_pool_kwargs((DECODE_PAGES - 1) * PAGE, kv))
+            expected_latent = lambda logical, layer: _pattern(logical, layer, 0, page_bytes)  # noqa: E731
+            if kv != "bfloat16":  # what a replicated prefill (SGLang's own pool, every row) holds
+                replicated = DSATokenToKVPool(**_pool_kwargs((PREFILL_PAGES - 1) * PAGE, kv))
+                _write_latent(replicated, sorted({p for req in requests for p in req["pages"]}))
+                expected_latent = lambda logical, layer: replicated.kv_buffer[layer].view(torch.uint8).view(-1, page_bytes)[logical]  # noqa: E731
+        latent = [pool.kv_buffer[i].view(torch.uint8).view(-1, page_bytes) for i in range(LAYERS)]
         index = [pool.index_key_cache.buffer[i] for i in range(LAYERS)]
         for t in latent + index:
             t.fill_(SENTINEL)
         queue_stub = SimpleNamespace(
             transfer_backend=TransferBackend.MOONCAKE, tp_rank=0, pp_rank=0, token_to_kv_pool=pool,
             draft_token_to_kv_pool=None, is_mla_backend=True, metadata_buffers=_metadata_buffers(),
-            enable_staging=False, scheduler=_scheduler_stub(server_args),
+            enable_staging=False, scheduler=_scheduler_stub(server_args, kv),
         )  # fmt: skip
         mgr = DecodePreallocQueue._init_kv_manager(queue_stub)
         addr = f"127.0.0.1:{bootstrap_port}"
@@ -360,7 +398,7 @@ def _decode(name, plugin, bootstrap_port, requests, results, stop):
             if status == KVPoll.Success:
                 for k, (logical, page) in enumerate(zip(req["pages"], dst)):
                     for layer in range(LAYERS):
-                        if not torch.equal(latent[layer][page], _pattern(logical, layer, 0, KV_PAGE_BYTES)):
+                        if not torch.equal(latent[layer][page], expected_latent(logical, layer)):
                             wrong.append(("latent", k, layer))
                         if not torch.equal(index[layer][page], _pattern(logical, layer, 1, INDEX_PAGE_BYTES)):
                             wrong.append(("index", k, layer))
@@ -376,15 +414,15 @@ def _decode(name, plugin, bootstrap_port, requests, results, stop):
 
 
 # ---- the harness --------------------------------------------------------------------------------------
-def _run(cp_size, decodes, prefill_requests, faults, timeout_s=240):
+def _run(cp_size, decodes, prefill_requests, faults, timeout_s=240, kv="bfloat16"):
     """Start N prefill ranks and the decodes; return their reports. decodes: {name: (plugin, requests)}."""
     ctx = mp.get_context("spawn")
     results, stop = ctx.Queue(), ctx.Event()
     port = free_port()
-    procs = {("prefill", r): ctx.Process(target=_prefill_rank, args=(r, cp_size, port, prefill_requests, faults, results, stop), daemon=True)
+    procs = {("prefill", r): ctx.Process(target=_prefill_rank, args=(r, cp_size, port, prefill_requests, faults, results, stop, kv), daemon=True)
              for r in range(cp_size)}  # fmt: skip
     for name, (plugin, reqs) in decodes.items():
-        procs[("decode", name)] = ctx.Process(target=_decode, args=(name, plugin, port, reqs, results, stop), daemon=True)
+        procs[("decode", name)] = ctx.Process(target=_decode, args=(name, plugin, port, reqs, results, stop, kv), daemon=True)
     for p in procs.values():
         p.start()
     reports = {"ready": {}, "room": {}, "done": set()}
@@ -519,6 +557,22 @@ def test_two_ranks_serve_a_plugin_decode_and_a_stock_decode():
 
 
 # ---- the bookkeeping and the hooks' pass-through, in process ---------------------------------------------
+def test_fp8_pages_reach_the_decode_byte_equal_to_a_replicated_prefill():
+    """--kv-cache-dtype fp8_e4m3, N = 2, a plugin decode and a stock one: each prefill rank's shard
+    holds the 656-byte FlashMLA rows its pool quantized on write (SGLang's quantizer, owned rows
+    only); the decode pages of every position are byte-equal to what SGLang's own fp8 pool of a
+    replicated prefill holds for the same latent, and each rank sends only its owned fp8 pages."""
+    n = 2
+    pages = [3, 9, 4, 1, 6, 2, 11]
+    p_req = _request(400, pages, list(range(1, 8)), chunks=[3, 4])
+    s_req = _request(500, pages[::-1], list(range(20, 27)))
+    reports = _run(n, {"plugin": (True, [p_req]), "stock": (False, [s_req])}, [p_req, s_req], {}, kv="fp8_e4m3")
+    info = reports["ready"][0]
+    assert info["kv_item_lens"] == [KV_FORMATS["fp8_e4m3"][2]] * LAYERS, info
+    _check_committed(reports, "plugin", p_req, n, info)
+    _check_committed(reports, "stock", s_req, n, info)
+
+
 def _ledger_with(queued, index=True):
     """N = 2, pages [10..15] sent in chunks of 4 and 2; rank 0 queues `queued` (position -> local)."""
     from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import OwnedPageLedger
