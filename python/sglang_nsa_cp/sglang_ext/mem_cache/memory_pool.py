@@ -31,6 +31,12 @@ benchmark run (every call below happens on every CP rank in the same order):
    on top of the history.
 4. `get_key_buffer` / `get_index_k_scale_buffer` / `get_index_k_with_scale_buffer`: the view.
 
+With `--kv-cache-dtype fp8_e4m3` the latent rows are FlashMLA's 656-byte rows, as in
+`DSATokenToKVPool`: `set_mla_kv_buffer` quantizes the chunk once with SGLang's own quantizer, the
+shard and the dense view get those bytes, history moves as fp8 pages, and the getters type the
+view float8_e4m3fn as SGLang's do (its flashmla_sparse prefill dequantizes a prefix batch's KV
+from that view through the dense page table).
+
 This is the contract of SGLang's own logical-page-sharded pools (`PageInterleaveKVPoolMixin`):
 `dsa_backend` and `dsa_indexer` already call steps 1-3 for any pool of that type, so the forward
 path needs no patch. The scratch holds two layers' dense views (double buffer), reserved at
