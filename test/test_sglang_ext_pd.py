@@ -1,5 +1,6 @@
-"""CPU, ~80-120 s (two runs of 5 and 4 processes, each importing SGLang, on 2 cores): the
-owned-page PD transfer inside SGLang 0.5.23's Mooncake disaggregation (sglang_ext/disaggregation/).
+"""CPU, ~2-4 min (three runs of 5, 4 and 4 processes, each importing SGLang, on 2 cores): the
+owned-page PD transfer inside SGLang 0.5.23's Mooncake disaggregation (sglang_ext/disaggregation/),
+with bf16 and fp8 KV.
 
 Every role is its own spawned process running SGLang's real classes over Mooncake's TCP transport
 on 127.0.0.1, the way a prefill CP rank and a decode scheduler run them:
@@ -21,7 +22,8 @@ of their positions and nothing else in the decode pool changed; each rank writes
 pages (bytes = owned pages x page bytes + the request's metadata), runs coalesced; a rank that
 never sends, a page a rank drops (caught by the rank's self-check, or with that bypassed by the
 decode's manifest check) fail the request with a reason naming the problem, and the next request
-commits. Not run here: the scheduler loop around these calls (the CP all-reduce of poll states,
+commits. With fp8 KV (656-byte FlashMLA rows written by the pools' own `set_mla_kv_buffer`), the
+decode's pages equal a replicated prefill's (SGLang's own fp8 pool), byte for byte. Not run here: the scheduler loop around these calls (the CP all-reduce of poll states,
 the radix cache, chunked-prefill scheduling), RDMA, GPU memory.
 """
 

@@ -1,5 +1,5 @@
-"""CPU, ~3-4 min (ten spawns of 1, 2 or 4 gloo ranks): SGLang 0.5.23's own DSA model forward,
-with and without the plugin.
+"""CPU, ~6-7 min (eleven spawns of 1, 2 or 4 gloo ranks; 19 min measured on a 2-core machine shared
+at load 23): SGLang 0.5.23's own DSA model forward, with and without the plugin.
 
 A tiny random-weight DeepSeek-V3.2 checkpoint (config.json + safetensors in tmp_path; 2 layers, both
 DSA attention + dense MLP, kv_lora_rank 512 + rope 64, index_head_dim 128, index_topk 32, page 64)
