@@ -154,12 +154,13 @@ def _time_ms(fn, device, repeats):
     return a.elapsed_time(b) / repeats
 
 
-def materialize_vs_allgather(history_tokens, args, rank, world, group, device, dtype, latent_dim):
-    """Materialize of one layer's history (latent + index) against raw all-gathers of its bytes."""
+def materialize_vs_allgather(history_tokens, args, rank, world, group, device, dtype, latent_dim, fp8_latent=False):
+    """Materialize of one layer's history (latent + index) against raw all-gathers of its bytes;
+    `fp8_latent`: the store holds FlashMLA's 656-byte fp8 rows."""
     page = args.page_size
     num_pages = -(-(-(-history_tokens // page) + 1) // world) * world
     table = RequestPageTable(OwnerClassedAllocator(num_pages, world), page)
-    store = KVStore(num_layers=1, num_pages=num_pages, page_size=page, cp_size=world, rank=rank, latent_dim=latent_dim, latent_dtype=dtype, device=device)
+    store = KVStore(num_layers=1, num_pages=num_pages, page_size=page, cp_size=world, rank=rank, latent_dim=latent_dim, latent_dtype=dtype, fp8_latent=fp8_latent, device=device)
     table.schedule(["h"], [history_tokens], "interleave")
     _, batch = table.schedule(["h"], [1], "interleave")
     plan = build_dense_plan(

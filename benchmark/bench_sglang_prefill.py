@@ -3,6 +3,7 @@ with and without one-layer-ahead history prefetch, side by side in one run.
 
     source scripts/gpu_unpack.sh            # the bundle of docs/gpu_bundle.md (the GPU machine)
     PYTHONPATH=$PYTHONPATH:test python benchmark/bench_sglang_prefill.py --cp 2 --out DIR [--plot]
+    ... the same with --kv-cache-dtype fp8_e4m3     # fp8 KV (656-byte FlashMLA rows) on every path
 
 The model is SGLang's `GlmMoeDsaForCausalLM` with GLM-5's attention and dense-MLP dimensions,
 `--layers` layers and random weights (test/sglang_gpu_harness.py); attention is FlashMLA's sparse
@@ -14,7 +15,8 @@ reports the time per chunk, per-layer times (CUDA events at each decoder layer),
 materialize time (what the stream waits for history, CUDA events in the pool's prefetcher), KV
 and scratch bytes per rank, and whether the last-token logits equal the replicated path's bit for
 bit. Then the materialize step alone against a raw all-gather of the same bytes. Raw numbers:
-DIR/bench_sglang_prefill.json; `--plot`: DIR/bench_sglang_prefill_timeline.png.
+DIR/bench_sglang_prefill.json (bench_sglang_prefill_fp8.json with fp8 KV); `--plot`: the
+timeline png of the same name.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ def rank_main(rank, world, group, args, model_path):
     from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import get_parallel
 
-    sa = G.setup_process(rank, world, model_path, world)
+    sa = G.setup_process(rank, world, model_path, world, args.kv_cache_dtype)
     load_plugins()  # the plugin's entry point, as every SGLang process does
     cp_group = get_parallel().attn_cp_group.device_group
     mc, model = G.build_model(sa)
@@ -197,7 +199,8 @@ def _materialize_bandwidth(args, rank, world, group, cases):
     latent_dim = G.GLM5_ATTN["kv_lora_rank"] + G.GLM5_ATTN["qk_rope_head_dim"]
     # the history each case's last chunk materializes per layer
     sizes = [c["prefix"] for c in cases if c["prefix"]] + [c["new"] - args.chunk for c in cases if not c["prefix"] and c["new"] > args.chunk]
-    return [materialize_vs_allgather(n, ns, rank, world, group, device, torch.bfloat16, latent_dim) for n in sizes]
+    fp8 = args.kv_cache_dtype == "fp8_e4m3"  # the pool's 656-byte FlashMLA rows
+    return [materialize_vs_allgather(n, ns, rank, world, group, device, torch.bfloat16, latent_dim, fp8_latent=fp8) for n in sizes]
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -306,6 +309,8 @@ def main(argv=None):
     p.add_argument("--cp", type=int, default=2)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--chunk", type=int, default=8192, help="--chunked-prefill-size")
+    p.add_argument("--kv-cache-dtype", choices=("bfloat16", "fp8_e4m3"), default="bfloat16",
+                   help="fp8_e4m3: SGLang's fp8 pool (656-byte FlashMLA rows) on every path")
     p.add_argument("--cold", type=_ints, default=[32768, 65536, 131072])
     p.add_argument("--hit", type=_pairs, default=[(61440, 4096), (126976, 4096)], help="PREFIX:NEW,... (PREFIX a multiple of 64)")
     p.add_argument("--repeats", type=int, default=3)
@@ -321,7 +326,8 @@ def main(argv=None):
     model_path = G.write_config(tempfile.mkdtemp(prefix="glm5_attn_"), G.GLM5_ATTN | {"num_hidden_layers": args.layers, "first_k_dense_replace": args.layers})
     out = run_ranks(rank_main, args.cp, args=(args, model_path), backend="nccl", timeout_s=3000)[0]
     raw = report(out, args)
-    save_results(raw, args.out, "bench_sglang_prefill", _plot if args.plot else None)
+    name = "bench_sglang_prefill" + ("_fp8" if args.kv_cache_dtype == "fp8_e4m3" else "")
+    save_results(raw, args.out, name, _plot if args.plot else None)
     return raw
 
 

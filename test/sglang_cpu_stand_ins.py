@@ -41,8 +41,13 @@ SM90 = (9, 0)
 
 def sparse_mla_reference(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
     """Stands in for FlashMLA's `flash_mla_sparse_fwd` (CUDA only; SGLang has no torch path):
-    q [s_q, h, d_qk], kv [s_kv, 1, d_qk], indices [s_q, 1, topk] (-1 = unused) -> o [s_q, h, d_v]."""
+    q [s_q, h, d_qk], kv [s_kv, 1, d_qk], indices [s_q, 1, topk] (-1 = unused) -> o [s_q, h, d_v].
+    kv may also be an fp8 pool's 656-byte FlashMLA rows (SGLang hands the pool to the decode kernel
+    as it is; on CUDA an fp8 pool decodes with flashmla_kv, whose kernel dequantizes each row the
+    same way): they are dequantized to bf16 first."""
     assert attn_sink is None
+    if kv.dtype == torch.float8_e4m3fn:
+        kv = _dequantize_flashmla_rows(kv)
     idx = indices[:, 0].long()
     valid = idx >= 0
     if topk_length is not None:
@@ -54,6 +59,72 @@ def sparse_mla_reference(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk
     p = torch.exp(logits - lse[..., None]).nan_to_num(0.0)
     o = torch.einsum("qhk,qkd->qhd", p, keys[..., :d_v])
     return o.to(q.dtype), logits.amax(-1), lse
+
+
+def _dequantize_flashmla_rows(kv):
+    """[s_kv, 1, 656] fp8 FlashMLA rows (512 e4m3 values, 4 fp32 scales, 64 bf16 rope) -> bf16 [s_kv, 1, 576]."""
+    rows = kv.view(torch.uint8).reshape(kv.shape[0], -1)
+    nope = rows[:, :512].view(torch.float8_e4m3fn).float().view(-1, 4, 128)
+    scale = rows[:, 512:528].contiguous().view(torch.float32)
+    rope = rows[:, 528:].contiguous().view(torch.bfloat16)
+    return torch.cat([(nope * scale[..., None]).view(-1, 512).to(torch.bfloat16), rope], dim=1).unsqueeze(1)
+
+
+def quantize_k_cache_separate_torch(k_nope, k_rope, tile_size: int = 128):
+    """SGLang's `quantize_k_cache_separate` (its Triton kernel `_quantize_k_cache_fast_kernel`)
+    with the same fp32 math in torch: scale = amax / 448 per 128 values, codes = clamp(x * (1 /
+    scale)) as e4m3, rope bf16 bytes. Returns (nope_part [T, 1, 528], rope_part [T, 1, 128]) uint8.
+    Bit-equal to the kernel (`test_sglang_ext_pool.py` checks it); the Triton interpreter runs the
+    kernel at ~20 ms per (token, 128 values) program, too slow for the forward tests."""
+    nope = (k_nope.squeeze(1) if k_nope.ndim == 3 else k_nope).float()
+    rope = k_rope.squeeze(1) if k_rope.ndim == 3 else k_rope
+    t, d = nope.shape
+    blocks = nope.view(t, d // tile_size, tile_size)
+    scale = blocks.abs().amax(dim=-1) / torch.finfo(torch.float8_e4m3fn).max
+    fp8 = torch.finfo(torch.float8_e4m3fn)
+    codes = (blocks * (1.0 / scale)[..., None]).clamp(fp8.min, fp8.max).to(torch.float8_e4m3fn)
+    nope_part = torch.cat([codes.view(torch.uint8).view(t, d), scale.contiguous().view(torch.uint8)], dim=1)
+    rope_part = rope.to(torch.bfloat16).contiguous().view(torch.uint8)
+    return nope_part.unsqueeze(1), rope_part.unsqueeze(1)
+
+
+def dequantize_k_cache_paged_torch(quant_k_cache, page_table_1_flattened, group_size: int = 128):
+    """SGLang's `dequantize_k_cache_paged_dsa` (Triton) in torch, same math: the FlashMLA rows at
+    `page_table_1_flattened`, codes x fp32 scale -> bf16, rope copied; [n, 1, 576] bf16."""
+    rows = quant_k_cache.view(torch.uint8).reshape(-1, quant_k_cache.shape[-1])[page_table_1_flattened.long()]
+    return _dequantize_flashmla_rows(rows.view(torch.float8_e4m3fn).unsqueeze(1))
+
+
+def pad_ragged_topk_offsets():
+    """`DeepseekSparseAttnBackend.forward_extend`, RAGGED top-k transform (an fp8 KV cache with
+    flashmla_sparse) with SGLang's unfused top-k: under interleave CP a rank's queries are padded
+    to the physical length (79 tokens at CP=2: 40 rows on both ranks), `_pad_topk_indices` pads the
+    top-k rows to that, but `topk_indices_offset` (one row per real query, from the local
+    extend lengths) is not, so the add fails ("size of tensor a (40) must match ... (39)") on the
+    replicated path and ours alike. The fused top-k of CUDA deployments (sgl-kernel) never takes
+    this line. Stand-in: pad the offsets with zeros to the top-k rows (the padded rows are -1, so
+    the offsets they get are masked out)."""
+    from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
+
+    if getattr(DeepseekSparseAttnBackend.forward_extend, "_ragged_offsets_padded", False):
+        return
+    _patch_source(
+        DeepseekSparseAttnBackend, "forward_extend",
+        "mask, topk_indices + topk_indices_offset, topk_indices",
+        "mask, topk_indices + torch.nn.functional.pad(topk_indices_offset, (0, 0, 0, topk_indices.shape[0] - topk_indices_offset.shape[0])), topk_indices",
+    )  # fmt: skip
+    DeepseekSparseAttnBackend.forward_extend._ragged_offsets_padded = True
+
+
+def install_fp8_kv_stand_ins():
+    """SGLang's fp8 KV quantizer and prefix dequantizer (Triton) -> their torch twins, where
+    SGLang's pool, the plugin's pool (through `memory_pool`) and the DSA backend look them up."""
+    from sglang.srt.layers.attention import dsa_backend
+    from sglang.srt.mem_cache import memory_pool
+
+    memory_pool.quantize_k_cache_separate = quantize_k_cache_separate_torch
+    dsa_backend.dequantize_k_cache_paged_dsa = dequantize_k_cache_paged_torch
+    pad_ragged_topk_offsets()
 
 
 def hadamard_reference(x, scale=1.0):
@@ -134,6 +205,7 @@ def install_process_stand_ins():
     import sglang.kernels.ops.quantization.hadamard as hadamard
 
     hadamard.hadamard_transform = hadamard_reference  # imported lazily by dsa_indexer.rotate_activation
+    install_fp8_kv_stand_ins()
     from sglang.srt.layers.attention.dsa import dsa_indexer
     from sglang.srt.layers.attention.dsa.dsa_indexer import Indexer
     from sglang.srt.layers.rotary_embedding import base as rope_base

@@ -67,8 +67,10 @@ def install() -> None:
     gpu_stand_ins.install()
 
 
-def setup_process(rank: int, world: int, model_path: str, cp_size: int):
-    """Publish ServerArgs and build SGLang's process groups on NCCL, GPU `rank`."""
+def setup_process(rank: int, world: int, model_path: str, cp_size: int, kv_cache_dtype: str = "bfloat16"):
+    """Publish ServerArgs and build SGLang's process groups on NCCL, GPU `rank`. `kv_cache_dtype`
+    fp8_e4m3: SGLang's fp8 pool (656-byte FlashMLA rows); prefill stays on flashmla_sparse (which
+    dequantizes a prefix batch's KV to bf16), decode takes flashmla_kv, SGLang's fp8 decode on SM90."""
     install()
     torch.cuda.set_device(rank)
     from sglang.srt.distributed import parallel_state
@@ -76,8 +78,9 @@ def setup_process(rank: int, world: int, model_path: str, cp_size: int):
     from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
-    kw = dict(model_path=model_path, device="cuda", attention_backend="dsa", kv_cache_dtype="bfloat16",
-              dsa_prefill_backend="flashmla_sparse", dsa_decode_backend="flashmla_sparse", dsa_topk_backend="torch",
+    decode_backend = "flashmla_kv" if kv_cache_dtype == "fp8_e4m3" else "flashmla_sparse"
+    kw = dict(model_path=model_path, device="cuda", attention_backend="dsa", kv_cache_dtype=kv_cache_dtype,
+              dsa_prefill_backend="flashmla_sparse", dsa_decode_backend=decode_backend, dsa_topk_backend="torch",
               bf16_gemm_backend="torch", skip_tokenizer_init=True, tp_size=world, moe_dense_tp_size=1,
               disable_custom_all_reduce=True)  # fmt: skip
     if cp_size > 1:
@@ -103,9 +106,10 @@ def _replace_kernels() -> None:
     from sglang.srt.layers.attention.dsa import dsa_indexer
     from sglang.srt.layers.attention.dsa import utils as dsa_utils
 
-    from sglang_cpu_stand_ins import hadamard_reference
+    from sglang_cpu_stand_ins import hadamard_reference, pad_ragged_topk_offsets
 
     hadamard.hadamard_transform = hadamard_reference  # JIT fast-hadamard-transform
+    pad_ragged_topk_offsets()  # fp8 KV: the RAGGED transform with the unfused top-k under CP (audit)
     dsv4.get_paged_mqa_logits_metadata = lambda *a, **k: None  # the torch paged logits ignore it
     set_mla.can_use_set_mla_kv_buffer = lambda *a: False  # SGLang's Triton latent store
     dsa_indexer.can_use_dsa_fused_store = lambda *a: False  # act_quant + SetKAndS (Triton)
@@ -176,15 +180,16 @@ def check_token_ids(vocab: int, seed: int = 5) -> dict[int, torch.Tensor]:
     return {i: torch.randint(2, vocab, (CHECK_MAX_LEN,), generator=g) for i in range(4)}
 
 
-def run_check(rank, world, group, model_path, mode, prefetch=True):
+def run_check(rank, world, group, model_path, mode, prefetch=True, kv_cache_dtype="bfloat16"):
     """One rank of the correctness scenario. mode: 'off' (1 GPU, no CP), 'replicated' (SGLang's
-    CP, every rank keeps all KV) or 'shared' (the plugin). Returns each batch's next-token logits
+    CP, every rank keeps all KV) or 'shared' (the plugin); `kv_cache_dtype` bfloat16 or fp8_e4m3.
+    Returns each batch's next-token logits
     (CPU), then the decode step's, which runs on a non-CP pool assembled from the owners' pages
     in the shared mode (what the owned-page PD transfer delivers to a decode instance)."""
     import sglang_model_harness as H
 
     cp = 1 if mode == "off" else world
-    sa = setup_process(rank, world, model_path, cp)
+    sa = setup_process(rank, world, model_path, cp, kv_cache_dtype)
     cp_group = None
     if mode == "shared":
         from sglang.srt.plugins import load_plugins
@@ -207,11 +212,15 @@ def run_check(rank, world, group, model_path, mode, prefetch=True):
             idx, source, length = CHECK_FORKS[b]
             engine.requests.fork(idx, source=source, length=length)
         logits.append(engine.run(engine.forward_batch(batch, toks)))
-    info = {"pool": type(engine.pool).__name__}
+    info = {"pool": type(engine.pool).__name__, "pool_dtype": str(engine.pool.dtype)}
     if mode == "shared":
         info["early"] = engine.pool.prefetcher.early
         engine.pool.end_shard_extend()
         engine.rebind_pool(H._replicated_pool_from_owners(engine))
+    # what a decode instance holds after the prefill batches (PD: the pages it receives): a digest per layer
+    import hashlib
+
+    info["decode_pool_digests"] = [hashlib.sha256(buf.view(torch.uint8).cpu().numpy().tobytes()).hexdigest() for buf in engine.pool.kv_buffer]
     logits.append(engine.run(engine.forward_batch(CHECK_DECODE, toks, decode=True)))
     import gpu_stand_ins
 

@@ -94,8 +94,9 @@ def write_checkpoint(path: str, cfg: dict = TINY_V32, seed: int = 0) -> str:
 # ---- process setup ---------------------------------------------------------------------------------
 
 
-def setup_process(rank: int, world: int, model_path: str, cp_size: int):
-    """Publish ServerArgs, build SGLang's process groups (gloo) and the model with random weights."""
+def setup_process(rank: int, world: int, model_path: str, cp_size: int, kv_cache_dtype: str = "bfloat16"):
+    """Publish ServerArgs, build SGLang's process groups (gloo) and the model with random weights.
+    `kv_cache_dtype` "fp8_e4m3": SGLang's fp8 DSA pool (656-byte FlashMLA rows)."""
     for k, v in ENV.items():
         os.environ[k] = v
     stand_ins.install_process_stand_ins()
@@ -103,7 +104,7 @@ def setup_process(rank: int, world: int, model_path: str, cp_size: int):
     from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
-    kw = dict(model_path=model_path, device="cpu", attention_backend="dsa", kv_cache_dtype="bfloat16",
+    kw = dict(model_path=model_path, device="cpu", attention_backend="dsa", kv_cache_dtype=kv_cache_dtype,
               dsa_prefill_backend="flashmla_sparse", dsa_decode_backend="flashmla_sparse", dsa_topk_backend="torch",
               skip_tokenizer_init=True, tp_size=world, moe_dense_tp_size=1)  # fmt: skip
     if cp_size > 1:
@@ -141,6 +142,15 @@ def build_model(sa, seed: int = 0):
 # ---- the pools, the backend, the batch -------------------------------------------------------------
 
 
+def kv_pool_format(sa, mc) -> tuple[torch.dtype, int]:
+    """The pool's dtype and row width, the row width from SGLang's KV configurator: bf16 rows of
+    kv_lora_rank + rope values, or fp8_e4m3's 656-byte FlashMLA rows."""
+    from sglang.srt.mem_cache.kv_cache_configurator import calculate_mla_kv_cache_dim
+
+    dtype = torch.float8_e4m3fn if sa.kv_cache_dtype == "fp8_e4m3" else torch.bfloat16
+    return dtype, calculate_mla_kv_cache_dim(model_config=mc, kv_cache_dtype=dtype)
+
+
 class Engine:
     """One rank's model, KV pool, DSA backend and request table: what SGLang's ModelRunner holds."""
 
@@ -153,10 +163,10 @@ class Engine:
         cfg = mc.hf_config
         self.sa, self.mc, self.model = sa, mc, model
         self.device = torch.device("cuda", torch.cuda.current_device()) if sa.device == "cuda" else torch.device("cpu")
-        kw = dict(size=pool_pages * PAGE, page_size=PAGE, kv_lora_rank=cfg.kv_lora_rank, dtype=torch.bfloat16,
+        self.kv_dtype, kv_cache_dim = kv_pool_format(sa, mc)
+        kw = dict(size=pool_pages * PAGE, page_size=PAGE, kv_lora_rank=cfg.kv_lora_rank, dtype=self.kv_dtype,
                   qk_rope_head_dim=cfg.qk_rope_head_dim, layer_num=layer_num or cfg.num_hidden_layers, device=self.device,
-                  index_head_dim=cfg.index_head_dim, enable_memory_saver=False,
-                  kv_cache_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim)  # fmt: skip
+                  index_head_dim=cfg.index_head_dim, enable_memory_saver=False, kv_cache_dim=kv_cache_dim)  # fmt: skip
         par = get_parallel()
         if cp_group is not None:  # the plugin's pool, as its _build_dsa_kv_pool hook builds it
             from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import SharedKVDSATokenToKVPool
@@ -180,7 +190,7 @@ class Engine:
         runner = SimpleNamespace(
             device=self.device.type, page_size=PAGE, model_config=self.mc, token_to_kv_pool=pool,
             req_to_token_pool=self.req_to_token_pool, is_draft_worker=False, hisparse_coordinator=None,
-            kv_cache_dtype=torch.bfloat16, server_args=self.sa, model=self.model,
+            kv_cache_dtype=self.kv_dtype, server_args=self.sa, model=self.model,
         )  # fmt: skip
         with mock.patch("torch.cuda.get_device_capability", lambda *a, **k: stand_ins.SM90):
             self.backend = DeepseekSparseAttnBackend(runner)
@@ -277,7 +287,7 @@ def _replicated_pool_from_owners(engine):
 
     shared, n = engine.pool, engine.pool.cp_size
     full = DSATokenToKVPool(
-        size=shared.size, page_size=PAGE, kv_lora_rank=shared.kv_lora_rank, dtype=torch.bfloat16,
+        size=shared.size, page_size=PAGE, kv_lora_rank=shared.kv_lora_rank, dtype=shared.dtype,
         qk_rope_head_dim=shared.qk_rope_head_dim, layer_num=shared.layer_num, device=engine.device,
         index_head_dim=128, enable_memory_saver=False, kv_cache_dim=shared.kv_cache_dim,
     )  # fmt: skip
@@ -334,10 +344,11 @@ def record_collectives() -> list:
     return log
 
 
-def run_scenario(rank, world, group, model_path, mode, prefetch=True):
+def run_scenario(rank, world, group, model_path, mode, prefetch=True, kv_cache_dtype="bfloat16"):
     """mode: 'off' (1 rank, no CP), 'replicated' (SGLang's CP, every rank keeps all KV) or
     'shared' (the plugin's pool, with or without one-layer-ahead history prefetch, and its tail
-    gather). Returns each batch's next-token logits and every collective the rank issued."""
+    gather); `kv_cache_dtype` bfloat16 or fp8_e4m3. Returns each batch's next-token logits, every
+    collective the rank issued and, for CP runs, the decode pool's latent bytes per layer."""
     import time
 
     from sglang.srt.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
@@ -345,7 +356,7 @@ def run_scenario(rank, world, group, model_path, mode, prefetch=True):
 
     t0 = time.monotonic()
     cp = 1 if mode == "off" else world
-    sa = setup_process(rank, world, model_path, cp)
+    sa = setup_process(rank, world, model_path, cp, kv_cache_dtype)
     if mode == "shared":
         from sglang.srt.plugins import load_plugins
 
@@ -363,7 +374,8 @@ def run_scenario(rank, world, group, model_path, mode, prefetch=True):
         engine.pool.prefetcher.min_pages_per_rank = 1
     collectives = record_collectives()
     _record_tail_rows(engine)
-    info = dict(pool=type(engine.pool).__name__, sharded_pool_seen=engine.backend._kv_shard_pool is engine.pool)
+    info = dict(pool=type(engine.pool).__name__, sharded_pool_seen=engine.backend._kv_shard_pool is engine.pool,
+                pool_dtype=str(engine.pool.dtype))  # fmt: skip
     if mode == "shared":
         from sglang_nsa_cp.comm import TrafficCounter
 
@@ -384,6 +396,8 @@ def run_scenario(rank, world, group, model_path, mode, prefetch=True):
         info["gathered"] = engine.pool.counter.as_dict()
         engine.pool.end_shard_extend()
         engine.rebind_pool(_replicated_pool_from_owners(engine))
+    # what a decode instance holds after the prefill batches (PD: the pages it receives)
+    info["decode_pool_latent"] = [buf.view(torch.uint8).clone() for buf in engine.pool.kv_buffer]
     t = time.monotonic()
     logits.append(engine.run(engine.forward_batch(DECODE, toks, decode=True)))
     timings["decode"] = time.monotonic() - t

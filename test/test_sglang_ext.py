@@ -143,17 +143,18 @@ def test_flag_parses_and_survives_pickling(plugin, models):
     assert getattr(pickle.loads(pickle.dumps(on)), REQUEST_ATTR) is True  # what scheduler processes receive
 
 
-@pytest.mark.parametrize("model", ["v32", "glm5"])
-def test_supported_configuration_resolves_enabled_and_reaches_the_schedulers(plugin, models, sm90, model):
+@pytest.mark.parametrize("model,kv_dtype", [("v32", "bfloat16"), ("glm5", "bfloat16"), ("v32", "fp8_e4m3"), ("glm5", "fp8_e4m3")])
+def test_supported_configuration_resolves_enabled_and_reaches_the_schedulers(plugin, models, sm90, model, kv_dtype):
     from sglang.srt.arg_groups.overrides import resolving_view
 
     from sglang_nsa_cp.sglang_ext.server_args import ATTR
 
-    server_args = _resolve(_argv(models[model]))
+    # SGLang's fp8 default prefill backend on SM90 is flashmla_kv: the fp8 deployment names flashmla_sparse
+    server_args = _resolve(_argv(models[model], {"--kv-cache-dtype": kv_dtype, "--dsa-prefill-backend": "flashmla_sparse"}))
     assert getattr(server_args, ATTR) is True
     assert getattr(pickle.loads(pickle.dumps(server_args)), ATTR) is True
     cfg = resolving_view(server_args)
-    assert (cfg.page_size, cfg.dsa_prefill_backend, cfg.kv_cache_dtype) == (64, "flashmla_sparse", "bfloat16")
+    assert (cfg.page_size, cfg.dsa_prefill_backend, cfg.kv_cache_dtype) == (64, "flashmla_sparse", kv_dtype)
     # without the flag nothing changes
     assert not getattr(_resolve(_argv(models[model])[:-1]), ATTR, False)
 
@@ -198,7 +199,7 @@ BAD = [
     ("kv sharding", "v32", {"--enable-kv-cache-sharding": None}, "cannot be combined with --enable-kv-cache-sharding"),
     ("colocated", "v32", {"--disaggregation-mode": DROP}, "runs only on a PD prefill instance"),
     ("nixl", "v32", {"--disaggregation-transfer-backend": "nixl"}, "ships owned pages over Mooncake only"),
-    ("fp8 KV", "v32", {"--kv-cache-dtype": "fp8_e4m3"}, "supports a bf16 KV cache only"),
+    ("fp8 KV, SGLang's default backend", "v32", {"--kv-cache-dtype": "fp8_e4m3"}, "supports --dsa-prefill-backend flashmla_sparse only"),
     ("tilelang", "v32", {"--dsa-prefill-backend": "tilelang"}, "supports --dsa-prefill-backend flashmla_sparse only"),
     ("HiCache", "v32", {"--enable-hierarchical-cache": None}, "does not support HiCache"),
     ("speculative without MTP layer", "glm5", {"--speculative-algorithm": "EAGLE"}, "needs a checkpoint with one MTP layer"),

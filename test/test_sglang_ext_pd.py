@@ -1,5 +1,6 @@
-"""CPU, ~120-180 s (three runs of 5, 4 and 4 processes, each importing SGLang, on 2 cores): the
-owned-page PD transfer inside SGLang 0.5.23's Mooncake disaggregation (sglang_ext/disaggregation/).
+"""CPU, ~3-6 min (runs of 5, 4 and 4 processes, each importing SGLang, on 2 cores): the
+owned-page PD transfer inside SGLang 0.5.23's Mooncake disaggregation (sglang_ext/disaggregation/),
+with bf16 and fp8 KV, and with an MTP draft pool.
 
 Every role is its own spawned process running SGLang's real classes over Mooncake's TCP transport
 on 127.0.0.1, the way a prefill CP rank and a decode scheduler run them:
@@ -24,7 +25,9 @@ pages (bytes = owned pages x page bytes + the request's metadata), runs coalesce
 never sends, a page a rank drops (caught by the rank's self-check, or with that bypassed by the
 decode's manifest check) fail the request with a reason naming the problem, and the next request
 commits. Every process has SGLANG_NSA_CP_PD_SECRET, so manifests are keyed (the stock decode
-ignores them). A rank whose write comes after the decode gave up on the room: SGLang's deferred
+ignores them). With fp8 KV (656-byte FlashMLA rows written by the pools' own
+`set_mla_kv_buffer`), the decode's pages equal a replicated prefill's (SGLang's own fp8 pool),
+byte for byte. A rank whose write comes after the decode gave up on the room: SGLang's deferred
 release (the drain ack) makes the pages safe to reuse only after that write landed (issue 17).
 In process: the commit rule against the decode's own request, hostile manifest frames (nested,
 oversized, 2e7 ranks, unkeyed, replayed) and the status socket's size limit. Not run here: the scheduler loop around these calls (the CP all-reduce of poll states,
@@ -56,8 +59,12 @@ register_cpu_ci(est_time=120, suite="nsa-cp-test-cpu")
 
 PAGE = 64
 LAYERS = 2
-KV_DIM = 576
-KV_PAGE_BYTES = PAGE * KV_DIM * 2  # bf16 latent rows of one page, one layer
+# --kv-cache-dtype: (pool dtype, SGLang's kv_cache_dim, latent bytes of one page of one layer)
+KV_FORMATS = {
+    "bfloat16": (torch.bfloat16, 576, PAGE * 576 * 2),
+    "fp8_e4m3": (torch.float8_e4m3fn, 656, PAGE * 656),  # FlashMLA rows: 512 fp8 + 4 fp32 scales + 64 bf16
+}
+KV_PAGE_BYTES = KV_FORMATS["bfloat16"][2]  # the tests without fp8
 INDEX_PAGE_BYTES = PAGE * 132  # fp8 keys + fp32 scales of one page, one layer
 PREFILL_PAGES = 48  # logical pages of the prefill pool (page 0: SGLang's padding page)
 DECODE_PAGES = 96
@@ -84,9 +91,32 @@ def _pattern(logical: int, layer: int, kind: int, nbytes: int) -> torch.Tensor:
     return ((torch.arange(nbytes, dtype=torch.int64) * (2 * kind + 3) + base) % 251).to(torch.uint8)
 
 
-def _pool_kwargs(size, layers=LAYERS):
-    return dict(size=size, page_size=PAGE, kv_lora_rank=512, dtype=torch.bfloat16, qk_rope_head_dim=64,
-                layer_num=layers, device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=KV_DIM)  # fmt: skip
+def _pool_kwargs(size, kv="bfloat16", layers=LAYERS):
+    dtype, kv_cache_dim, _ = KV_FORMATS[kv]
+    return dict(size=size, page_size=PAGE, kv_lora_rank=512, dtype=dtype, qk_rope_head_dim=64,
+                layer_num=layers, device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=kv_cache_dim)  # fmt: skip
+
+
+def _latent(logical: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's bf16 latent of one page of one layer, (k_nope [64, 512], k_rope [64, 64])."""
+    g = torch.Generator().manual_seed(logical * 131 + layer)
+    kv = (torch.randn(PAGE, 576, generator=g) * torch.rand(PAGE, 1, generator=g) * 8).to(torch.bfloat16)
+    return kv[:, :512].contiguous(), kv[:, 512:].contiguous()
+
+
+def _write_latent(pool, pages):
+    """Write `pages`' latent through the pool's own `set_mla_kv_buffer`, as attention does: the
+    shared pool quantizes once and persists its owned rows, SGLang's pool stores every row. The
+    quantizer is the torch twin of SGLang's Triton one in both (sglang_cpu_forward.md: the
+    interpreter is too slow for it)."""
+    import sglang_cpu_stand_ins
+
+    sglang_cpu_stand_ins.install_fp8_kv_stand_ins()
+    for layer in range(LAYERS):
+        for logical in pages:
+            nope, rope = _latent(logical, layer)
+            loc = torch.arange(logical * PAGE, (logical + 1) * PAGE)
+            pool.set_mla_kv_buffer(None, loc, nope, rope, layer_id_override=layer)
 
 
 def _publish(mode, cp_size, cp_rank, bootstrap_port, shared_kv):
@@ -123,8 +153,8 @@ def _load_plugin():
     assert "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.maybe_send_extra" in HookRegistry._patched
 
 
-def _scheduler_stub(server_args, **extra):
-    model_runner = SimpleNamespace(kv_cache_dtype_str="bfloat16")
+def _scheduler_stub(server_args, kv="bfloat16", **extra):
+    model_runner = SimpleNamespace(kv_cache_dtype_str=kv)
     return SimpleNamespace(
         rust_server=None, tp_worker=SimpleNamespace(model_runner=model_runner), enable_hisparse=False,
         model_config=SimpleNamespace(hf_text_config=SimpleNamespace(), num_hidden_layers=LAYERS),
@@ -211,14 +241,21 @@ class _Traffic:
         FastQueue.get, MooncakeKVManager._transfer_data, MooncakeKVManager.send_aux = tagged_get, counted_transfer, flagged_send_aux
 
 
-def _fill_shard(pool, rank, cp_size, first_layer=0):
+def _fill_shard(pool, rank, cp_size, kv="bfloat16", latent_pages=(), first_layer=0):
+    """bf16: byte patterns of (page, layer, kind) in every owned page. fp8: the index pages the
+    same, the latent of `latent_pages` written by the pool from `_latent` (quantized on write).
+    first_layer: the pattern's layer of the pool's layer 0 (an MTP draft pool's one layer is LAYERS)."""
+    page_bytes = KV_FORMATS[kv][2]
     for layer in range(pool.layer_num):
         latent = pool.store.latent[layer].view(torch.uint8).view(pool.store.local_pages, -1)
         index = pool.store.index[layer]
-        assert latent.shape[1] == KV_PAGE_BYTES and index.shape[1] == INDEX_PAGE_BYTES
+        assert latent.shape[1] == page_bytes and index.shape[1] == INDEX_PAGE_BYTES
         for logical in range(rank, pool.num_logical_pages, cp_size):
-            latent[logical // cp_size] = _pattern(logical, first_layer + layer, 0, KV_PAGE_BYTES)
+            if kv == "bfloat16":
+                latent[logical // cp_size] = _pattern(logical, first_layer + layer, 0, page_bytes)
             index[logical // cp_size] = _pattern(logical, first_layer + layer, 1, INDEX_PAGE_BYTES)
+    if kv != "bfloat16":
+        _write_latent(pool, latent_pages)
 
 
 def _install_faults(rank, faults, traffic):
@@ -269,7 +306,7 @@ def _install_faults(rank, faults, traffic):
     plugin_conn.self_check = lenient_self_check
 
 
-def _prefill_rank(rank, cp_size, bootstrap_port, requests, faults, results, stop, draft=False):
+def _prefill_rank(rank, cp_size, bootstrap_port, requests, faults, results, stop, draft=False, kv="bfloat16"):
     try:
         _env()
         _load_plugin()
@@ -287,12 +324,12 @@ def _prefill_rank(rank, cp_size, bootstrap_port, requests, faults, results, stop
         _wait(lambda: _port_open(bootstrap_port), bool, 90, "bootstrap server", interval_s=0.2)
         draft_pool = None
         with get_parallel().override(attn_dcp_size=1, dcp_enabled=False):
-            pool = SharedKVDSATokenToKVPool(**_pool_kwargs((PREFILL_PAGES - 1) * PAGE), cp_rank=rank, cp_size=cp_size, cp_group=None)
+            pool = SharedKVDSATokenToKVPool(**_pool_kwargs((PREFILL_PAGES - 1) * PAGE, kv), cp_rank=rank, cp_size=cp_size, cp_group=None)
             if draft:  # the MTP layer's own shard, as the configurator hook builds it for an EAGLE draft
                 draft_pool = SharedKVDSATokenToKVPool(
-                    **_pool_kwargs((PREFILL_PAGES - 1) * PAGE, layers=1), cp_rank=rank, cp_size=cp_size, cp_group=None
+                    **_pool_kwargs((PREFILL_PAGES - 1) * PAGE, kv, layers=1), cp_rank=rank, cp_size=cp_size, cp_group=None
                 )
-        _fill_shard(pool, rank, cp_size)
+        _fill_shard(pool, rank, cp_size, kv, sorted({p for req in requests for p in req["pages"]}))
         if draft_pool is not None:
             _fill_shard(draft_pool, rank, cp_size, first_layer=LAYERS)
         traffic = _Traffic()
@@ -301,7 +338,7 @@ def _prefill_rank(rank, cp_size, bootstrap_port, requests, faults, results, stop
         queue_stub = SimpleNamespace(
             transfer_backend=TransferBackend.MOONCAKE, tp_rank=rank, pp_rank=0, token_to_kv_pool=pool,
             draft_token_to_kv_pool=draft_pool, is_mla_backend=True, metadata_buffers=_metadata_buffers(),
-            scheduler=_scheduler_stub(server_args),
+            scheduler=_scheduler_stub(server_args, kv),
         )  # fmt: skip
         mgr = PrefillBootstrapQueue._init_kv_manager(queue_stub)
         assert mgr.enable_all_cp_ranks_for_transfer and not mgr.is_dummy_cp_rank
@@ -352,7 +389,7 @@ def _prefill_rank(rank, cp_size, bootstrap_port, requests, faults, results, stop
 
 
 # ---- the decode instance ------------------------------------------------------------------------------
-def _decode(name, plugin, bootstrap_port, requests, results, stop, draft=False):
+def _decode(name, plugin, bootstrap_port, requests, results, stop, draft=False, kv="bfloat16"):
     try:
         _env(waiting_timeout=WAITING_TIMEOUT_S)
         if plugin:
@@ -369,18 +406,24 @@ def _decode(name, plugin, bootstrap_port, requests, results, stop, draft=False):
             from sglang.srt.plugins.hook_registry import HookRegistry
 
             assert not HookRegistry._patched, "the stock decode must run without the plugin"
+        page_bytes = KV_FORMATS[kv][2]
         with get_parallel().override(attn_dcp_size=1, dcp_enabled=False):
-            pool = DSATokenToKVPool(**_pool_kwargs((DECODE_PAGES - 1) * PAGE))
-            draft_pool = DSATokenToKVPool(**_pool_kwargs((DECODE_PAGES - 1) * PAGE, layers=1)) if draft else None
+            pool = DSATokenToKVPool(**_pool_kwargs((DECODE_PAGES - 1) * PAGE, kv))
+            draft_pool = DSATokenToKVPool(**_pool_kwargs((DECODE_PAGES - 1) * PAGE, kv, layers=1)) if draft else None
+            expected_latent = lambda logical, layer: _pattern(logical, layer, 0, page_bytes)  # noqa: E731
+            if kv != "bfloat16":  # what a replicated prefill (SGLang's own pool, every row) holds
+                replicated = DSATokenToKVPool(**_pool_kwargs((PREFILL_PAGES - 1) * PAGE, kv))
+                _write_latent(replicated, sorted({p for req in requests for p in req["pages"]}))
+                expected_latent = lambda logical, layer: replicated.kv_buffer[layer].view(torch.uint8).view(-1, page_bytes)[logical]  # noqa: E731
         # one entry per layer: the target's, then the MTP draft's (layer LAYERS)
-        latent = [p.kv_buffer[i].view(torch.uint8).view(-1, KV_PAGE_BYTES) for p in (pool, draft_pool) if p is not None for i in range(p.layer_num)]
+        latent = [p.kv_buffer[i].view(torch.uint8).view(-1, page_bytes) for p in (pool, draft_pool) if p is not None for i in range(p.layer_num)]
         index = [p.index_key_cache.buffer[i] for p in (pool, draft_pool) if p is not None for i in range(p.layer_num)]
         for t in latent + index:
             t.fill_(SENTINEL)
         queue_stub = SimpleNamespace(
             transfer_backend=TransferBackend.MOONCAKE, tp_rank=0, pp_rank=0, token_to_kv_pool=pool,
             draft_token_to_kv_pool=draft_pool, is_mla_backend=True, metadata_buffers=_metadata_buffers(),
-            enable_staging=False, scheduler=_scheduler_stub(server_args),
+            enable_staging=False, scheduler=_scheduler_stub(server_args, kv),
         )  # fmt: skip
         mgr = DecodePreallocQueue._init_kv_manager(queue_stub)
         addr = f"127.0.0.1:{bootstrap_port}"
@@ -408,7 +451,7 @@ def _decode(name, plugin, bootstrap_port, requests, results, stop, draft=False):
             if status == KVPoll.Success:
                 for k, (logical, page) in enumerate(zip(req["pages"], dst)):
                     for layer in range(len(latent)):
-                        if not torch.equal(latent[layer][page], _pattern(logical, layer, 0, KV_PAGE_BYTES)):
+                        if not torch.equal(latent[layer][page], expected_latent(logical, layer)):
                             wrong.append(("latent", k, layer))
                         if not torch.equal(index[layer][page], _pattern(logical, layer, 1, INDEX_PAGE_BYTES)):
                             wrong.append(("index", k, layer))
@@ -444,16 +487,16 @@ def _abort_and_wait_for_drain(mgr, receiver, req, latent, dst):
 
 
 # ---- the harness --------------------------------------------------------------------------------------
-def _run(cp_size, decodes, prefill_requests, faults, timeout_s=240, draft=False):
+def _run(cp_size, decodes, prefill_requests, faults, timeout_s=240, draft=False, kv="bfloat16"):
     """Start N prefill ranks and the decodes; return their reports. decodes: {name: (plugin, requests)};
-    draft: every side also registers an MTP draft pool (EAGLE / NEXTN)."""
+    draft: every side also registers an MTP draft pool (EAGLE / NEXTN); kv: --kv-cache-dtype."""
     ctx = mp.get_context("spawn")
     results, stop = ctx.Queue(), ctx.Event()
     port = free_port()
-    procs = {("prefill", r): ctx.Process(target=_prefill_rank, args=(r, cp_size, port, prefill_requests, faults, results, stop, draft), daemon=True)
+    procs = {("prefill", r): ctx.Process(target=_prefill_rank, args=(r, cp_size, port, prefill_requests, faults, results, stop, draft, kv), daemon=True)
              for r in range(cp_size)}  # fmt: skip
     for name, (plugin, reqs) in decodes.items():
-        procs[("decode", name)] = ctx.Process(target=_decode, args=(name, plugin, port, reqs, results, stop, draft), daemon=True)
+        procs[("decode", name)] = ctx.Process(target=_decode, args=(name, plugin, port, reqs, results, stop, draft, kv), daemon=True)
     for p in procs.values():
         p.start()
     reports = {"ready": {}, "room": {}, "done": set()}
@@ -625,6 +668,22 @@ def test_mtp_draft_pages_ride_the_owned_page_transfer():
     lost = _owned(s_reqs[1]["pages"], 0, n)[0]
     _check_failed(reports, "stock", 501, f"CP rank 0 of 2: owned KV pages not sent at positions [{lost}]")
     _check_committed(reports, "stock", s_reqs[2], n, info)
+
+
+def test_fp8_pages_reach_the_decode_byte_equal_to_a_replicated_prefill():
+    """--kv-cache-dtype fp8_e4m3, N = 2, a plugin decode and a stock one: each prefill rank's shard
+    holds the 656-byte FlashMLA rows its pool quantized on write (SGLang's quantizer, owned rows
+    only); the decode pages of every position are byte-equal to what SGLang's own fp8 pool of a
+    replicated prefill holds for the same latent, and each rank sends only its owned fp8 pages."""
+    n = 2
+    pages = [3, 9, 4, 1, 6, 2, 11]
+    p_req = _request(400, pages, list(range(1, 8)), chunks=[3, 4])
+    s_req = _request(500, pages[::-1], list(range(20, 27)))
+    reports = _run(n, {"plugin": (True, [p_req]), "stock": (False, [s_req])}, [p_req, s_req], {}, kv="fp8_e4m3")
+    info = reports["ready"][0]
+    assert info["kv_item_lens"] == [KV_FORMATS["fp8_e4m3"][2]] * LAYERS, info
+    _check_committed(reports, "plugin", p_req, n, info)
+    _check_committed(reports, "stock", s_req, n, info)
 
 
 def _ledger_with(queued, index=True):

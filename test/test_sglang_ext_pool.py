@@ -1,4 +1,4 @@
-"""CPU, ~15 s: the shared-KV DSA pool's sizing and the configurator hooks that build it
+"""CPU, ~15 s: the shared-KV DSA pool's sizing (bf16 and fp8 KV) and the configurator hooks that build it
 (sglang_ext/mem_cache/). Its multi-rank behaviour is in test_sglang_ext_ranks.py."""
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ register_cpu_ci(est_time=15, suite="nsa-cp-test-cpu")
 PAGE = 64
 LAYERS = 2
 KV_DIM = 576
+# KV cache dtypes the pool takes: (torch dtype, SGLang's kv_cache_dim, latent bytes per token)
+KV_DTYPES = {"bf16": (torch.bfloat16, KV_DIM, 2 * KV_DIM), "fp8": (torch.float8_e4m3fn, 656, 656)}
 
 
 @contextmanager
@@ -31,33 +33,41 @@ def _no_dcp():
         yield
 
 
-def _pool_kwargs(size):
+def _pool_kwargs(size, kv="bf16"):
+    dtype, kv_cache_dim, _ = KV_DTYPES[kv]
     return dict(
         size=size,
         page_size=PAGE,
         kv_lora_rank=512,
-        dtype=torch.bfloat16,
+        dtype=dtype,
         qk_rope_head_dim=64,
         layer_num=LAYERS,
         device="cpu",
         index_head_dim=128,
         enable_memory_saver=False,
-        kv_cache_dim=KV_DIM,
+        kv_cache_dim=kv_cache_dim,  # 656 for fp8: SGLang's FlashMLA row (calculate_mla_kv_cache_dim)
     )
 
 
-def test_logical_capacity_grows_n_times_for_the_same_memory():
-    """The pool SGLang builds for N x the tokens occupies what the stock pool of 1 x does."""
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_logical_capacity_grows_n_times_for_the_same_memory(kv):
+    """The pool SGLang builds for N x the tokens occupies what the stock pool of 1 x does, for a
+    bf16 pool and for the fp8 pool of 656-byte FlashMLA rows."""
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 
     from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import SharedKVDSATokenToKVPool
 
     per_rank_tokens = 32 * PAGE
     with _no_dcp():
-        stock = DSATokenToKVPool(**_pool_kwargs(per_rank_tokens)).get_kv_size_bytes()
+        stock_pool = DSATokenToKVPool(**_pool_kwargs(per_rank_tokens, kv))
+        stock = stock_pool.get_kv_size_bytes()
         for n in (2, 4, 8):
-            pool = SharedKVDSATokenToKVPool(**_pool_kwargs(n * per_rank_tokens), cp_rank=n - 1, cp_size=n, cp_group=None)
+            pool = SharedKVDSATokenToKVPool(**_pool_kwargs(n * per_rank_tokens, kv), cp_rank=n - 1, cp_size=n, cp_group=None)
             assert pool.size == n * per_rank_tokens
+            # the shard has the stock pool's row format (what PD registers and sends)
+            assert pool.dsa_kv_cache_store_fp8 == stock_pool.dsa_kv_cache_store_fp8 == (kv == "fp8")
+            assert (pool.kv_buffer[0].dtype, pool.kv_buffer[0].shape[1:]) == (stock_pool.kv_buffer[0].dtype, stock_pool.kv_buffer[0].shape[1:])
+            assert pool.get_contiguous_buf_infos()[2] == stock_pool.get_contiguous_buf_infos()[2] == [PAGE * KV_DTYPES[kv][2]] * LAYERS
             # ceil((32n + 1) / n) + 1 trash = 34 local pages vs the stock 33
             assert pool.get_kv_size_bytes() / stock == pytest.approx(34 / 33), f"{n=}"
 
@@ -91,10 +101,10 @@ def test_derive_pool_sizes_hook_scales_the_logical_capacity():
             assert derive_pool_sizes(original, target, config=None) is sizes
 
 
-def _configurator(context_len=1000):
+def _configurator(context_len=1000, kv="bf16"):
     dsa = SimpleNamespace(architectures=["GlmMoeDsaForCausalLM"], index_topk=2048, kv_lora_rank=512, qk_rope_head_dim=64)
     model_config = SimpleNamespace(hf_config=dsa, context_len=context_len, kv_lora_rank=512, qk_rope_head_dim=64)
-    return SimpleNamespace(is_draft_worker=False, model_config=model_config, page_size=PAGE, kv_cache_dtype=torch.bfloat16)
+    return SimpleNamespace(is_draft_worker=False, model_config=model_config, page_size=PAGE, kv_cache_dtype=KV_DTYPES[kv][0])
 
 
 @contextmanager
@@ -105,19 +115,20 @@ def _chunked_prefill(size):
         yield
 
 
-def test_build_dsa_kv_pool_hook_builds_the_shared_pool_for_this_cp_rank():
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_build_dsa_kv_pool_hook_builds_the_shared_pool_for_this_cp_rank(kv):
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
     from sglang.srt.runtime_context import get_parallel
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     from sglang_nsa_cp.sglang_ext.environ import envs
-    from sglang_nsa_cp.sglang_ext.mem_cache.kv_cache_configurator import build_dsa_kv_pool
+    from sglang_nsa_cp.sglang_ext.mem_cache.kv_cache_configurator import build_dsa_kv_pool, scratch_bytes
     from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import SharedKVDSATokenToKVPool
 
-    configurator = _configurator(context_len=1000)
+    configurator = _configurator(context_len=1000, kv=kv)
 
     def original(self, *, max_total_num_tokens, max_running_requests, dsa_pool_class):
-        return dsa_pool_class(**_pool_kwargs(max_total_num_tokens))  # what SGLang's builder does
+        return dsa_pool_class(**_pool_kwargs(max_total_num_tokens, kv))  # what SGLang's builder does
 
     cp_group = SimpleNamespace(device_group="the CP device group")
     with _no_dcp(), envs.SGLANG_NSA_CP_SHARED_KV.override(True), _chunked_prefill(200):
@@ -127,7 +138,7 @@ def test_build_dsa_kv_pool_hook_builds_the_shared_pool_for_this_cp_rank():
             assert (pool.cp_rank, pool.cp_size, pool.cp_group) == (2, 4, "the CP device group")
             # scratch reserved at start-up: one 1000-token context (16 pages, 4 per rank) + a
             # 200-token chunk (4 pages) + the trash page, in each of two halves
-            page_bytes = PAGE * (KV_DIM * 2 + 132)
+            page_bytes = PAGE * (KV_DTYPES[kv][2] + 132)
             assert pool.prefetcher.scratch_bytes() == 2 * (16 + 4 + 1) * page_bytes
             # an EAGLE (MTP) draft worker gets its own shard with the same owners and scratch
             draft = SimpleNamespace(**{**vars(configurator), "is_draft_worker": True, "spec_algorithm": SpeculativeAlgorithm.EAGLE})
@@ -135,6 +146,9 @@ def test_build_dsa_kv_pool_hook_builds_the_shared_pool_for_this_cp_rank():
             assert isinstance(draft_pool, SharedKVDSATokenToKVPool) and draft_pool.store is not pool.store
             assert (draft_pool.cp_rank, draft_pool.cp_size, draft_pool.size) == (2, 4, pool.size)
             assert draft_pool.prefetcher.scratch_bytes() == pool.prefetcher.scratch_bytes()
+            # the charge against the KV budget is what the pool reserves
+            with get_parallel().override(attn_cp_size=4):
+                assert scratch_bytes(lambda kvc, *, include_mtp=False: 0, configurator) == pool.prefetcher.scratch_bytes()
             with pytest.raises(RuntimeError, match="instead of the shared-KV pool"):
                 build_dsa_kv_pool(
                     lambda self, **kw: DSATokenToKVPool(**_pool_kwargs(8 * PAGE)),
@@ -142,9 +156,10 @@ def test_build_dsa_kv_pool_hook_builds_the_shared_pool_for_this_cp_rank():
                 )  # fmt: skip
 
 
-def test_scratch_is_charged_against_the_kv_budget():
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_scratch_is_charged_against_the_kv_budget(kv):
     """SGLang subtracts `compute_page_shard_scratch_bytes` from the KV budget before sizing the
-    pool; the hook adds the shared pool's two dense views (bf16 latent + index pages)."""
+    pool; the hook adds the shared pool's two dense views (bf16 or fp8 latent + index pages)."""
     from sglang.srt.runtime_context import get_parallel
 
     from sglang_nsa_cp.sglang_ext.environ import envs
@@ -153,13 +168,13 @@ def test_scratch_is_charged_against_the_kv_budget():
     from sglang_nsa_cp.sglang_ext.mem_cache.kv_cache_configurator import scratch_bytes
 
     original = lambda kvc, *, include_mtp=False: 4096  # noqa: E731  (SGLang's own, e.g. another sharded pool)
-    page_bytes = PAGE * (KV_DIM * 2 + 132)
+    page_bytes = PAGE * (KV_DTYPES[kv][2] + 132)
     with get_parallel().override(attn_cp_size=2), _chunked_prefill(8192):
         with envs.SGLANG_NSA_CP_SHARED_KV.override(True):
             # 128k context: 2048 history pages + a 128-page chunk + the trash page, two halves
-            assert scratch_bytes(original, _configurator(131072)) == 4096 + 2 * (2048 + 128 + 1) * page_bytes
+            assert scratch_bytes(original, _configurator(131072, kv)) == 4096 + 2 * (2048 + 128 + 1) * page_bytes
             # with an EAGLE (MTP) draft SGLang asks the target for both pools' scratch
-            assert scratch_bytes(original, _configurator(131072), include_mtp=True) == 4096 + 2 * 2 * (2048 + 128 + 1) * page_bytes
+            assert scratch_bytes(original, _configurator(131072, kv), include_mtp=True) == 4096 + 2 * 2 * (2048 + 128 + 1) * page_bytes
             draft = SimpleNamespace(**{**vars(_configurator()), "is_draft_worker": True, "spec_algorithm": SpeculativeAlgorithm.EAGLE})
             assert scratch_bytes(original, draft) == 4096
         with envs.SGLANG_NSA_CP_SHARED_KV.override(False):

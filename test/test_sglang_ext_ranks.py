@@ -1,10 +1,11 @@
-"""CPU, ~40-80 s (one spawn of 4 gloo ranks, each importing SGLang): the plugin on real CP ranks.
+"""CPU, ~60-100 s (one spawn of 4 gloo ranks, each importing SGLang): the plugin on real CP ranks.
 
 Pool and forward metadata (sglang_ext/mem_cache/). The oracle is SGLang's unmodified
 `DSATokenToKVPool` fed the same writes through the same calls (`set_index_k_scale_buffer`:
 SGLang's triton `SetKAndS`, run by the triton interpreter; `set_mla_kv_buffer`). On every CP rank
-(N = 4 with one-layer-ahead prefetch, and N = 2 with prefetch off, as two subgroups of the same 4
-processes), for three fixed extend batches (new requests; continuations whose prefix ends
+(N = 4 with one-layer-ahead prefetch, N = 2 with prefetch off, and N = 2 with an fp8 KV cache
+(656-byte FlashMLA rows, quantized by both pools with SGLang's quantizer) and prefetch, as
+subgroups of the same 4 processes), for three fixed extend batches (new requests; continuations whose prefix ends
 mid-page; a radix hit sharing a page-aligned prefix) and then random mixes of new requests,
 continuations and radix hits:
 - SGLang's real `DeepseekSparseAttnBackend.init_forward_metadata` (with SGLang's interleave
@@ -152,8 +153,11 @@ def _init_forward_metadata(backend, req_pool_indices, prefix, seq, n):
 
 def _check_latent_views(pool, ref, meta, table, layer, where):
     """What attention reads: rows of `get_key_buffer` at SGLang's (rewritten) page_table_1, for this
-    rank's requests (bs_idx under CP), against the unmodified pool at the logical slots."""
+    rank's requests (bs_idx under CP), against the unmodified pool at the logical slots (bytes: an
+    fp8 pool's rows are FlashMLA's 656-byte rows, typed float8_e4m3fn by both pools)."""
     dense, full = pool.get_key_buffer(layer), ref.get_key_buffer(layer)
+    assert dense.dtype == full.dtype and dense.shape[1:] == full.shape[1:], f"{where}: {dense.dtype} {dense.shape} vs {full.dtype} {full.shape}"
+    dense, full = dense.view(torch.uint8), full.view(torch.uint8)
     for j, kv_len in enumerate(meta.cache_seqlens_int32.tolist()):
         got = dense[meta.page_table_1[j, :kv_len].long()]
         want = full[table[j, :kv_len].long()]
@@ -196,21 +200,25 @@ def _check_owned_pages(pool, ref, n, rank, where):
             assert torch.equal(index[q], full_index[page]), f"{where}: rank {rank} index page {page}, layer {layer}"
 
 
-def _run_scenario(rank, n, group, seed, prefetch):
+def _run_scenario(rank, n, group, seed, prefetch, kv="bf16"):
     from sglang.srt.layers.cp import base as cp_base
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
     from sglang.srt.runtime_context import get_parallel
 
     from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import SharedKVDSATokenToKVPool
 
+    if kv == "fp8":  # SGLang's Triton fp8 quantizer is ~20 ms per program in the interpreter
+        import sglang_cpu_stand_ins
+
+        sglang_cpu_stand_ins.install_fp8_kv_stand_ins()  # its torch twin, in both pools (sglang_cpu_forward.md)
     size = 24 * PAGE
     cp_base.init_cp_strategy(enable_prefill_cp=True, cp_size=n, cp_strategy="interleave")
     from sglang_nsa_cp.sglang_ext.environ import envs
 
     with _no_dcp(), get_parallel().override(attn_cp_rank=rank, attn_cp_size=n, enable_cp_tp_group_sharing=False):
-        ref = DSATokenToKVPool(**_pool_kwargs(size))
+        ref = DSATokenToKVPool(**_pool_kwargs(size, kv))
         with envs.SGLANG_NSA_CP_PREFETCH.override(prefetch):
-            pool = SharedKVDSATokenToKVPool(**_pool_kwargs(size), cp_rank=rank, cp_size=n, cp_group=group)
+            pool = SharedKVDSATokenToKVPool(**_pool_kwargs(size, kv), cp_rank=rank, cp_size=n, cp_group=group)
         assert pool.prefetcher.enabled == prefetch
         pool.prefetcher.min_pages_per_rank = 1  # these histories are a few pages: prefetch them all the same
         pool.counter = TrafficCounter()
@@ -249,6 +257,7 @@ def _run_scenario(rank, n, group, seed, prefetch):
             _check_owned_pages(pool, ref, n, rank, f"N={n}, batch={b}")
         return dict(
             n=n,
+            kv=kv,
             prefetch=prefetch,
             batches=BATCHES + mix,
             local_requests=local_requests,
@@ -334,15 +343,19 @@ def _check_tail_gather(rank, n, group):
     return shapes
 
 
-def _rank_main(rank, world, group, sizes):
+# (N, KV cache dtype, prefetch): N = 4 with prefetch, N = 2 without, N = 2 with fp8 rows and prefetch
+CONFIGS = ((4, "bf16", True), (2, "bf16", False), (2, "fp8", True))
+
+
+def _rank_main(rank, world, group, configs):
     from sglang.srt.plugins import load_plugins
 
     load_plugins()  # the plugin's entry point, as every SGLang process does
     out = {"pool": [], "tail": []}
-    for n in sizes:
+    for n, kv, prefetch in configs:
         groups = [dist.new_group(list(range(s, s + n))) for s in range(0, world, n)]  # collective, same order everywhere
         sub_rank, sub_group = rank % n, groups[rank // n]
-        pool_check = lambda: _run_scenario(sub_rank, n, sub_group, seed=7 + n, prefetch=n == 4)  # noqa: E731
+        pool_check = lambda: _run_scenario(sub_rank, n, sub_group, seed=7 + n, prefetch=prefetch, kv=kv)  # noqa: E731
         for key, check in (("pool", pool_check), ("tail", lambda: _check_tail_gather(sub_rank, n, sub_group))):
             try:
                 out[key].append(check())
@@ -353,10 +366,10 @@ def _rank_main(rank, world, group, sizes):
 
 @pytest.fixture(scope="module")
 def rank_results():
-    return run_ranks(_rank_main, 4, args=((4, 2),), timeout_s=400)
+    return run_ranks(_rank_main, 4, args=(CONFIGS,), timeout_s=600)
 
 
-def test_sharded_pool_views_match_unmodified_dsa_pool_at_4_and_2_ranks(rank_results):
+def test_sharded_pool_views_match_unmodified_dsa_pool_at_4_and_2_ranks_bf16_and_fp8(rank_results):
     for rank, out in enumerate(rank_results):
         for r in out["pool"]:
             assert isinstance(r, dict), f"rank {rank}: {r}"
@@ -374,10 +387,11 @@ def test_sharded_pool_views_match_unmodified_dsa_pool_at_4_and_2_ranks(rank_resu
     last_batch = [r["local_requests"][len(BATCHES) - 1] for out in rank_results for r in out["pool"] if r["n"] == 4]
     assert min(last_batch) < len(BATCHES[-1]), last_batch
     assert {r["prefetch"] for out in rank_results for r in out["pool"]} == {True, False}
+    assert [r["kv"] for r in rank_results[0]["pool"]] == [kv for _, kv, _ in CONFIGS]
 
 
 def test_every_rank_issues_the_same_history_collectives_in_the_same_order(rank_results):
-    for i, n in enumerate((4, 2)):
+    for i, (n, _, _) in enumerate(CONFIGS):
         per_process = [out["pool"][i] for out in rank_results]  # process p is rank p % n of group p // n
         for start in range(0, 4, n):
             members = per_process[start : start + n]

@@ -1,4 +1,4 @@
-"""GPU, 2 x H200, ~2 min: SGLang 0.5.23's own DSA model forward on CUDA with GLM-5's attention
+"""GPU, 2 x H200, ~4 min: SGLang 0.5.23's own DSA model forward on CUDA with GLM-5's attention
 dimensions (test/sglang_gpu_harness.py), FlashMLA's real sparse prefill kernel, NCCL.
 
 Runs only where CUDA and the GPU bundle are (docs/gpu_bundle.md: `source scripts/gpu_unpack.sh`);
@@ -6,7 +6,8 @@ skipped elsewhere. The same batches through CP off (1 GPU), SGLang's replicated 
 and the plugin's shared KV at CP=2 with and without one-layer-ahead prefetch: cold prompts longer
 than the indexer's top-k, continuations whose prefix ends mid-page, a batch with a radix hit, a
 third chunk and a new request, then a decode step from a pool assembled from the owners' pages.
-Shared KV must equal replicated CP bit for bit (same kernels, same inputs); CP off may differ
+Replicated and shared CP=2 run again with `--kv-cache-dtype fp8_e4m3` (656-byte FlashMLA rows;
+decode on flashmla_kv). Shared KV must equal replicated CP bit for bit (same kernels, same inputs); CP off may differ
 from CP by bf16 rounding (docs/sglang_gpu_forward.md says by how much and why).
 """
 
@@ -40,12 +41,14 @@ def runs():
 
     path = G.write_config(tempfile.mkdtemp(prefix="glm5_attn_"), G.GLM5_ATTN)
     return {
-        name: run_ranks(G.run_check, world, args=(path, mode, prefetch), backend="nccl", timeout_s=900)
-        for name, world, mode, prefetch in (
-            ("off", 1, "off", False),
-            ("replicated", 2, "replicated", False),
-            ("shared", 2, "shared", True),
-            ("shared-no-prefetch", 2, "shared", False),
+        name: run_ranks(G.run_check, world, args=(path, mode, prefetch, kv), backend="nccl", timeout_s=900)
+        for name, world, mode, prefetch, kv in (
+            ("off", 1, "off", False, "bfloat16"),
+            ("replicated", 2, "replicated", False, "bfloat16"),
+            ("shared", 2, "shared", True, "bfloat16"),
+            ("shared-no-prefetch", 2, "shared", False, "bfloat16"),
+            ("fp8-replicated", 2, "replicated", False, "fp8_e4m3"),
+            ("fp8-shared", 2, "shared", True, "fp8_e4m3"),
         )
     }
 
@@ -58,6 +61,19 @@ def test_shared_kv_equals_replicated_cp_bit_for_bit(runs, run):
             assert torch.isfinite(got).all(), f"{run}, rank {rank}, batch {b}: non-finite logits"
             assert torch.equal(got, want), f"{run}, rank {rank}, batch {b}: max diff {float((got - want).abs().max())}"
     assert runs["shared"][0]["early"] and not runs["shared-no-prefetch"][0]["early"]
+
+
+def test_fp8_kv_shared_equals_replicated_cp_bit_for_bit(runs):
+    """--kv-cache-dtype fp8_e4m3: the same batches, logits bit for bit, and the decode pool
+    assembled from the owners' fp8 pages holds the replicated prefill's bytes (per-layer digests)."""
+    for rank, (r, rep) in enumerate(zip(runs["fp8-shared"], runs["fp8-replicated"])):
+        assert r["pool_dtype"] == rep["pool_dtype"] == "torch.float8_e4m3fn", f"{rank=}"
+        for b, (got, want) in enumerate(zip(r["logits"], rep["logits"])):
+            assert torch.isfinite(got).all(), f"fp8, rank {rank}, batch {b}: non-finite logits"
+            assert torch.equal(got, want), f"fp8, rank {rank}, batch {b}: max diff {float((got - want).abs().max())}"
+        assert r["decode_pool_digests"] == rep["decode_pool_digests"], f"fp8, rank {rank}: decode pool bytes differ"
+    # the fp8 cache is really read: batches with history differ from the bf16 cache's logits
+    assert not torch.equal(runs["fp8-replicated"][0]["logits"][1], runs["replicated"][0]["logits"][1])
 
 
 def test_cp_matches_cp_off_within_bf16_rounding(runs):

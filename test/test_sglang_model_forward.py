@@ -1,5 +1,5 @@
-"""CPU, ~2-3 min (seven spawns of 1, 2 or 4 gloo ranks): SGLang 0.5.23's own DSA model forward,
-with and without the plugin.
+"""CPU, ~6-7 min (eleven spawns of 1, 2 or 4 gloo ranks; 19 min measured on a 2-core machine shared
+at load 23): SGLang 0.5.23's own DSA model forward, with and without the plugin.
 
 A tiny random-weight DeepSeek-V3.2 checkpoint (config.json + safetensors in tmp_path; 2 layers, both
 DSA attention + dense MLP, kv_lora_rank 512 + rope 64, index_head_dim 128, index_topk 32, page 64)
@@ -24,7 +24,8 @@ request 0's prompt; then one decode step for all four requests):
   `SharedKVDSATokenToKVPool` (the core's dense plan and `HistoryPrefetcher`), narrow tail gather
   and logits-processor hook. The decode step runs on a non-CP pool assembled from the pages each
   rank owns (what the owned-page PD transfer delivers to a decode instance).
-At CP=2 all must give the same next-token logits (they are bit-identical here: dense MLPs are not
+The same at CP off, replicated CP=2 and shared CP=2 with `--kv-cache-dtype fp8_e4m3` (SGLang's
+656-byte FlashMLA rows). At CP=2 all must give the same next-token logits (they are bit-identical here: dense MLPs are not
 TP-split, `moe_dense_tp_size=1`); at CP=4 shared KV must equal replicated CP=4 bit for bit (both
 differ from CP off through SGLang's top-k tie-breaking, see docs/sglang_cpu_forward.md). Every rank of a run must issue the same collectives in the
 same order. CP off and CP=2 shared KV are run once more through GLM-5's
@@ -48,19 +49,22 @@ from sglang_nsa_cp.comm import run_ranks  # noqa: E402
 
 register_cpu_ci(est_time=180, suite="nsa-cp-test-cpu")
 
-# (run name, checkpoint, mode, ranks, history prefetch)
+# (run name, checkpoint, mode, ranks, history prefetch, --kv-cache-dtype)
 RUNS = (
-    ("off", "v32", "off", 1, False),
-    ("replicated", "v32", "replicated", 2, False),
-    ("shared", "v32", "shared", 2, True),
-    ("shared-no-prefetch", "v32", "shared", 2, False),
-    ("replicated-cp4", "v32", "replicated", 4, False),
-    ("shared-cp4", "v32", "shared", 4, True),
-    ("glm5-off", "glm5", "off", 1, False),
-    ("glm5-shared", "glm5", "shared", 2, True),
+    ("off", "v32", "off", 1, False, "bfloat16"),
+    ("replicated", "v32", "replicated", 2, False, "bfloat16"),
+    ("shared", "v32", "shared", 2, True, "bfloat16"),
+    ("shared-no-prefetch", "v32", "shared", 2, False, "bfloat16"),
+    ("replicated-cp4", "v32", "replicated", 4, False, "bfloat16"),
+    ("shared-cp4", "v32", "shared", 4, True, "bfloat16"),
+    ("glm5-off", "glm5", "off", 1, False, "bfloat16"),
+    ("glm5-shared", "glm5", "shared", 2, True, "bfloat16"),
+    ("fp8-off", "v32", "off", 1, False, "fp8_e4m3"),
+    ("fp8-replicated", "v32", "replicated", 2, False, "fp8_e4m3"),
+    ("fp8-shared", "v32", "shared", 2, True, "fp8_e4m3"),
 )
 
-SHARED_RUNS = [run for run, _, mode, _, _ in RUNS if mode == "shared"]
+SHARED_RUNS = [run[0] for run in RUNS if run[2] == "shared"]
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +74,8 @@ def runs(tmp_path_factory):
         for name, cfg in (("v32", H.TINY_V32), ("glm5", H.TINY_GLM5))
     }
     return {
-        run: run_ranks(H.run_scenario, world, args=(paths[ckpt], mode, prefetch), timeout_s=300)
-        for run, ckpt, mode, world, prefetch in RUNS
+        run: run_ranks(H.run_scenario, world, args=(paths[ckpt], mode, prefetch, kv), timeout_s=300)
+        for run, ckpt, mode, world, prefetch, kv in RUNS
     }
 
 
@@ -129,7 +133,7 @@ def test_cp4_shared_kv_matches_replicated_cp4(runs):
 @pytest.mark.parametrize("run", SHARED_RUNS)
 def test_shared_kv_run_took_the_plugins_paths(runs, run):
     layers = H.TINY_V32["num_hidden_layers"]
-    prefetch = {name: p for name, _, _, _, p in RUNS}[run]
+    prefetch = {name: p for name, _, _, _, p, _ in RUNS}[run]
     for rank, r in enumerate(runs[run]):
         # narrow tail gather: one row per request reaches the logits processor
         assert [t.get("tail_rows") for t in r["trace"][:3]] == [len(b) for b in H.BATCHES], f"{rank=}"
@@ -145,7 +149,7 @@ def test_shared_kv_run_took_the_plugins_paths(runs, run):
             assert r["pool_bytes"] / rep["pool_bytes"] == pytest.approx((13 + 1) / 25), f"{rank=}"
 
 
-@pytest.mark.parametrize("run", ["replicated", "replicated-cp4", *SHARED_RUNS])
+@pytest.mark.parametrize("run", ["replicated", "replicated-cp4", "fp8-replicated", *SHARED_RUNS])
 def test_every_rank_issues_the_same_collectives_in_the_same_order(runs, run):
     """All of them: SGLang's own (TP/CP groups) and the pool's history all-gathers."""
     ranks = runs[run]
@@ -168,6 +172,42 @@ def test_glm5_shared_kv_matches_glm5_cp_off(runs):
         assert r["pool"] == "SharedKVDSATokenToKVPool", f"{rank=}: {r['pool']}"
         assert [t.get("tail_rows") for t in r["trace"][:3]] == [len(b) for b in H.BATCHES], f"{rank=}"
         _assert_same_logits(r["logits"], off["logits"], f"GLM-5 CP=2 shared KV, rank {rank} vs CP off")
+
+
+def test_fp8_kv_shared_matches_replicated_bit_for_bit(runs):
+    """--kv-cache-dtype fp8_e4m3 (656-byte FlashMLA rows; SGLang's flashmla_sparse prefill reads a
+    prefix batch's KV dequantized from the pool): shared KV CP=2 gives replicated CP=2's logits bit
+    for bit in every prefill batch (new requests, continuations ending mid-page, a radix hit, a third
+    chunk) and the decode step, and the decode pool assembled from the owners' fp8 pages holds the
+    replicated prefill's bytes."""
+    for rank, (r, rep) in enumerate(zip(runs["fp8-shared"], runs["fp8-replicated"])):
+        assert r["pool"] == "SharedKVDSATokenToKVPool" and r["sharded_pool_seen"], f"{rank=}: {r['pool']}"
+        assert r["pool_dtype"] == rep["pool_dtype"] == "torch.float8_e4m3fn", f"{rank=}"
+        for b, (got, want) in enumerate(zip(r["logits"], rep["logits"])):
+            assert torch.equal(got, want), f"fp8 KV, rank {rank}, {'decode step' if b == 3 else f'prefill batch {b}'}: not bitwise"
+        for layer, (got, want) in enumerate(zip(r["decode_pool_latent"], rep["decode_pool_latent"])):
+            assert got.shape[-1] == want.shape[-1] == 656, f"{rank=}, {layer=}: {tuple(got.shape)}"
+            assert want.any(), f"{rank=}, {layer=}: the replicated prefill wrote nothing"
+            assert torch.equal(got, want), f"fp8 KV, rank {rank}, layer {layer}: decode pool bytes differ from the replicated prefill's"
+
+
+def test_fp8_kv_matches_cp_off_and_is_not_the_bf16_cache(runs):
+    (off,) = runs["fp8-off"]
+    for rank, r in enumerate(runs["fp8-shared"]):
+        _assert_same_logits(r["logits"], off["logits"], f"fp8 KV CP=2 shared, rank {rank} vs CP off")
+    # batch 0 has no history (attention reads the chunk's bf16 rows); batches with history read
+    # the fp8 cache, so their logits are not the bf16 cache's
+    (bf16_off,) = runs["off"]
+    assert torch.equal(off["logits"][0], bf16_off["logits"][0])
+    assert not torch.equal(off["logits"][1], bf16_off["logits"][1])
+
+
+def test_fp8_history_materialize_moves_656_bytes_per_token(runs):
+    """The history all-gathers move fp8 pages: 656 latent bytes per token instead of 1152."""
+    for rank, (fp8, bf16) in enumerate(zip(runs["fp8-shared"], runs["shared"])):
+        got, want = fp8["gathered"]["materialize_latent"], bf16["gathered"]["materialize_latent"]
+        assert got["calls"] == want["calls"] and got["bytes"] * 1152 == want["bytes"] * 656, f"{rank=}: {got} vs {want}"
+        assert fp8["gathered"]["materialize_index"] == bf16["gathered"]["materialize_index"], f"{rank=}"
 
 
 def test_timings_are_reported(runs):

@@ -131,6 +131,16 @@ class KVStore:
                 self.index[layer], slots, index_key, index_scale, self.rank, self.cp_size, self.page_size
             )
 
+    def write_rows(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Persist latent rows already in this store's row format (bf16 rows, or 656-byte fp8
+        rows quantized by the caller, e.g. by SGLang's own quantizer) at the owned `slots`."""
+        if rows.dtype != self.latent[layer].dtype or rows.shape[1:] != self.latent[layer].shape[1:]:
+            raise KVStoreError(
+                f"rows {rows.dtype} {tuple(rows.shape)} are not in the store's row format "
+                f"{self.latent[layer].dtype} [*, {self.latent[layer].shape[1]}]"
+            )
+        kernels.store_owned_rows(self.latent[layer], slots, rows, self.rank, self.cp_size, self.page_size)
+
     # ---- reads for tests and the transfer layer ------------------------------------------------
     def page_rows(self, layer: int) -> torch.Tensor:
         """The latent buffer viewed as one row per local page (bytes of page_size rows)."""

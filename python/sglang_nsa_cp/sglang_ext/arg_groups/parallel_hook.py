@@ -5,7 +5,9 @@ Resolution hooks (`sglang.srt.arg_groups.resolution_hooks.register_resolution_ho
 - `validate_prefill_cp_platform`: runs before SGLang's early return for `--model-path dummy`,
   so a flag that could never be validated is refused instead of ignored.
 - `handle_context_parallelism`: the full check, before SGLang's own CP checks and before
-  `init_cp_strategy`. Page size, attention backends, KV dtype and HiCache are resolved by then.
+  `init_cp_strategy`. Page size, attention backends, KV dtype and HiCache are resolved by then
+  (the KV dtype needs no check: SGLang's DSA resolution allows only bfloat16 and fp8_e4m3, and
+  the pool takes both).
 - `handle_kv_cache_sharding`: the same check again; SGLang runs this step right after CP and once
   more at the very end of resolution, after late capability adjustments that can still change
   the attention backend or speculative settings.
@@ -32,7 +34,6 @@ logger = logging.getLogger(__name__)
 SGLANG_VERSION = "0.5.23"
 SUPPORTED_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 SUPPORTED_CP_STRATEGIES = ("interleave",)
-SUPPORTED_KV_CACHE_DTYPES = ("bfloat16", "bf16")
 SUPPORTED_DSA_PREFILL_BACKENDS = ("flashmla_sparse",)
 DSA_PAGE_SIZE = 64
 SUPPORTED_SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")  # SGLang resolves NEXTN to EAGLE
@@ -169,13 +170,10 @@ def find_problems(server_args: Any) -> list[str]:
         )
     if cfg.dsa_prefill_backend not in SUPPORTED_DSA_PREFILL_BACKENDS:
         problems.append(
-            f"supports --dsa-prefill-backend {'/'.join(SUPPORTED_DSA_PREFILL_BACKENDS)} only (the page-table "
-            f"readers of the bf16 latent cache), got {cfg.dsa_prefill_backend!r}; use --dsa-prefill-backend flashmla_sparse"
-        )
-    if cfg.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
-        problems.append(
-            f"supports a bf16 KV cache only for now, got --kv-cache-dtype {cfg.kv_cache_dtype} (the fp8 "
-            "FlashMLA row is stored but not yet wired); add --kv-cache-dtype bfloat16"
+            f"supports --dsa-prefill-backend {'/'.join(SUPPORTED_DSA_PREFILL_BACKENDS)} only, got "
+            f"{cfg.dsa_prefill_backend!r} (the dense view is verified against flashmla_sparse's reads: bf16 rows, "
+            "or an fp8 cache's prefix dequantized to bf16; SGLang's fp8 default, flashmla_kv on SM90 and trtllm "
+            "on SM100, reads other layouts); use --dsa-prefill-backend flashmla_sparse"
         )
     if cfg.enable_hierarchical_cache:
         problems.append(

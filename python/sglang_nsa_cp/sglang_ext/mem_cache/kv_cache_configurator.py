@@ -24,8 +24,9 @@ from __future__ import annotations
 import functools
 
 import msgspec
+import torch
 
-from sglang_nsa_cp.kernels.reference import INDEX_ROW_BYTES
+from sglang_nsa_cp.kernels.reference import INDEX_ROW_BYTES, MLA_FP8_ROW_BYTES
 from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import SharedKVDSATokenToKVPool, dense_scratch_pages
 from sglang_nsa_cp.sglang_ext.server_args import is_enabled
 
@@ -68,7 +69,10 @@ def scratch_bytes(original, kvc, *, include_mtp: bool = False):
     if not _applies(kvc) or kvc.is_draft_worker:  # a draft's scratch is charged with its target's
         return extra
     model_config = kvc.model_config
-    row_bytes = (model_config.kv_lora_rank + model_config.qk_rope_head_dim) * kvc.kv_cache_dtype.itemsize
+    if kvc.kv_cache_dtype == torch.float8_e4m3fn:  # FlashMLA's row, the only fp8 layout the pool takes
+        row_bytes = MLA_FP8_ROW_BYTES
+    else:
+        row_bytes = (model_config.kv_lora_rank + model_config.qk_rope_head_dim) * kvc.kv_cache_dtype.itemsize
     page_bytes = kvc.page_size * (row_bytes + INDEX_ROW_BYTES)
     pools = 2 if include_mtp else 1  # the draft's pool has its own double-buffered scratch
     return extra + pools * 2 * _scratch_pages(kvc) * page_bytes

@@ -31,6 +31,12 @@ benchmark run (every call below happens on every CP rank in the same order):
    on top of the history.
 4. `get_key_buffer` / `get_index_k_scale_buffer` / `get_index_k_with_scale_buffer`: the view.
 
+With `--kv-cache-dtype fp8_e4m3` the latent rows are FlashMLA's 656-byte rows, as in
+`DSATokenToKVPool`: `set_mla_kv_buffer` quantizes the chunk once with SGLang's own quantizer, the
+shard and the dense view get those bytes, history moves as fp8 pages, and the getters type the
+view float8_e4m3fn as SGLang's do (its flashmla_sparse prefill dequantizes a prefix batch's KV
+from that view through the dense page table).
+
 This is the contract of SGLang's own logical-page-sharded pools (`PageInterleaveKVPoolMixin`):
 `dsa_backend` and `dsa_indexer` already call steps 1-3 for any pool of that type, so the forward
 path needs no patch. The scratch holds two layers' dense views (double buffer), reserved at
@@ -51,6 +57,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
+from sglang.srt.mem_cache import memory_pool as sglang_memory_pool
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, unwrap_write_loc
 from sglang.srt.mem_cache.page_interleave import PageInterleavePlacement, PageShardSpec
 from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
@@ -143,8 +150,12 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
         return torch.cuda.use_mem_pool(self.custom_mem_pool) if self.custom_mem_pool else nullcontext()
 
     def _create_buffers(self):
-        if self.dsa_kv_cache_store_fp8:
-            raise ValueError("SharedKVDSATokenToKVPool stores the bf16 latent only; use --kv-cache-dtype bfloat16")
+        if self.dtype == torch.float8_e4m3fn and not self.dsa_kv_cache_store_fp8:
+            raise ValueError(
+                "SharedKVDSATokenToKVPool stores bf16 rows or FlashMLA's 656-byte fp8 rows; an fp8 pool with "
+                f"the raw {self.kv_cache_dim}-byte row (trtllm's layout) is not supported: use "
+                "--dsa-prefill-backend flashmla_sparse"
+            )
         with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE), self._alloc_context():
             # One slack local page past every owned one: the trash page non-owned index-K
             # writes land in, so owner filtering needs no host sync.
@@ -154,8 +165,9 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
                 page_size=self.page_size,
                 cp_size=self.cp_size,
                 rank=self.cp_rank,
-                latent_dim=self.kv_cache_dim,
+                latent_dim=self.kv_lora_rank + self.qk_rope_head_dim,
                 latent_dtype=self.store_dtype,
+                fp8_latent=self.dsa_kv_cache_store_fp8,
                 slack_pages=1,
                 device=self.device,
             )
@@ -267,10 +279,23 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
         debug.check_write_coverage(self.store, loc, self.cp_group)
 
     # ---- MLA latent ------------------------------------------------------------------------------
+    def stored_rows(self, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor) -> torch.Tensor:
+        """The chunk's latent in the pool's row format, [T, kv_cache_dim] of store_dtype: bf16
+        rows, or FlashMLA's 656-byte fp8 rows quantized once by SGLang's own quantizer (the one
+        `DSATokenToKVPool.set_mla_kv_buffer` calls), so owned, dense and replicated rows are the
+        same bytes."""
+        t = cache_k_nope.shape[0]
+        if self.dsa_kv_cache_store_fp8:
+            nope, rope = sglang_memory_pool.quantize_k_cache_separate(cache_k_nope, cache_k_rope)
+            return torch.cat([nope.reshape(t, -1), rope.reshape(t, -1)], dim=1)
+        rows = torch.cat([cache_k_nope.reshape(t, -1), cache_k_rope.reshape(t, -1)], dim=1)
+        return rows.to(self.dtype).view(self.store_dtype)
+
     def set_mla_kv_buffer(self, layer, loc_info, cache_k_nope, cache_k_rope, layer_id_override=None):
         """Persist the owned rows of the chunk; during an extend, also put the chunk's rows into the
         layer's dense latent on top of its history. `cache_k_*` hold the whole chunk (SGLang's CP
-        strategy all-gathers it before the write), identical on every rank."""
+        strategy all-gathers it before the write), identical on every rank. An fp8 pool quantizes
+        the chunk once; the shard and the dense view get the same fp8 bytes."""
         loc, _, _ = unwrap_write_loc(loc_info)
         layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
         local_layer = layer_id - self.start_layer
@@ -279,24 +304,26 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
                 f"set_mla_kv_buffer got {cache_k_nope.shape[0]} latent rows for {loc.shape[0]} slots; the "
                 "shared-KV pool needs the whole chunk (gathered by the CP strategy) at out_cache_loc"
             )
-        rows = torch.cat([cache_k_nope.reshape(loc.shape[0], -1), cache_k_rope.reshape(loc.shape[0], -1)], dim=1)
-        rows = rows.to(self.dtype).view(self.store_dtype)
+        rows = self.stored_rows(cache_k_nope, cache_k_rope)
         if self._plan is None:
-            self.store.write(local_layer, loc, rows)
+            self.store.write_rows(local_layer, loc, rows)
             return
         self.debug_check_slots(loc)
         view = self.layer_view(layer_id)  # history landed before the shard's mid-page rows change
-        self.store.write(local_layer, loc, rows)
+        self.store.write_rows(local_layer, loc, rows)
         dense = kernels.scatter_rows(view.latent.view(-1, self.kv_cache_dim), self.dense_rows(loc), rows)
         self._latent_view = (layer_id, dense.unsqueeze(1))
 
     def dense_latent(self, layer_id: int) -> torch.Tensor:
+        """The layer's dense latent rows [rows, 1, kv_cache_dim] as SGLang's getters type them
+        (an fp8 pool's uint8 bytes viewed as float8_e4m3fn, as `MLATokenToKVPool.get_key_buffer`)."""
         if self._latent_view is None or self._latent_view[0] != layer_id:
             raise RuntimeError(
                 f"layer {layer_id}'s latent KV was read before it was written in this extend batch; the "
                 "shared-KV pool builds the dense view in set_mla_kv_buffer (save_kv_cache=False is not supported)"
             )
-        return self._latent_view[1]
+        view = self._latent_view[1]
+        return view.view(self.dtype) if self.store_dtype != self.dtype else view
 
     def get_key_buffer(self, layer_id: int):
         if self._plan is None:
@@ -316,7 +343,9 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
         if self._plan is None:
             raise RuntimeError("the shared-KV pool reads logical rows only inside an extend batch")
         kv = self.dense_latent(layer.layer_id)[self.dense_rows(loc)]
-        kv = kv.to(dst_dtype or self.dtype)
+        if self.dsa_kv_cache_store_fp8:  # FlashMLA rows: dequantize (fp32) before the cast
+            kv = kernels.dequantize_mla_fp8(kv.view(torch.uint8).flatten(1)).unsqueeze(1)
+        kv = kv.to(dst_dtype or (torch.bfloat16 if self.dsa_kv_cache_store_fp8 else self.dtype))
         return kv[..., : self.kv_lora_rank].contiguous(), kv[..., self.kv_lora_rank :].contiguous()
 
     # ---- index K: see SharedKVIndexKeyCache --------------------------------------------------------
