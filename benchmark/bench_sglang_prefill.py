@@ -66,7 +66,7 @@ class _LayerClock:
 def _engine(sa, mc, model, path, cp_group, pool_pages, max_len, chunk):
     import sglang_model_harness as H
 
-    from sglang_nsa_cp.sglang_ext.environ import envs
+    from sglang_nsa_cp.envs import envs
     from sglang_nsa_cp.sglang_ext.server_args import ATTR
 
     shared = path != "replicated"

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.skipif(
 from triton.errors import TritonError  # noqa: E402
 
 from sglang_nsa_cp import kernels  # noqa: E402
+from sglang_nsa_cp.envs import envs  # noqa: E402
 from sglang_nsa_cp.kernels import reference as ref  # noqa: E402
 from sglang_nsa_cp.kernels import triton_kernels as tk  # noqa: E402
 
@@ -47,7 +48,7 @@ ROW_KINDS = [
 
 @pytest.fixture
 def seed() -> int:
-    value = int(os.environ.get("SGLANG_NSA_CP_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+    value = (envs.SGLANG_NSA_CP_TEST_SEED.get() or int.from_bytes(os.urandom(4), "little"))
     torch.manual_seed(value)
     return value
 
