@@ -10,7 +10,7 @@ import torch
 
 from sglang_nsa_cp.kernels import checks
 from sglang_nsa_cp.kernels.formats import INDEX_HEAD_DIM, INDEX_ROW_BYTES, index_page_offsets, owned_physical_rows
-from sglang_nsa_cp.kernels.triton_common import jit, owned_rows, require_triton, tl, triton, wide
+from sglang_nsa_cp.kernels.triton_common import jit, program_owned_rows, require_triton, tl, triton, wide
 
 INDEX_ROWS_PER_PROGRAM = 64  # launch shape (bench_kernels.py --sweep sets it)
 INDEX_NUM_WARPS = 4
@@ -65,13 +65,7 @@ def _store_index_k_kernel(
     ROWS: tl.constexpr,
     KEY_WORDS: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    if WIDE:
-        pid = pid.to(tl.int64)
-    row = pid * ROWS + tl.arange(0, ROWS)
-    slot = tl.load(slots + row, mask=row < n_rows, other=-1)
-    dst, keep = owned_rows(slot, rank, CP_SIZE, PAGE_SIZE)
-    dst = dst.to(row.dtype)
+    pid, row, dst, keep = program_owned_rows(slots, n_rows, rank, CP_SIZE, PAGE_SIZE, WIDE, ROWS)
     if tl.max(keep.to(tl.int32), axis=0) > 0:
         # A page holds PAGE_SIZE keys, then PAGE_SIZE fp32 scales (SGLang's index-K layout).
         page_base = (dst // PAGE_SIZE) * (PAGE_SIZE * (KEY_WORDS + 1))

@@ -42,7 +42,7 @@ from sglang_nsa_cp.kernels.formats import (
     owned_physical_rows,
     quantize_mla_fp8,
 )
-from sglang_nsa_cp.kernels.triton_common import jit, owned_rows, require_triton, tl, triton, wide
+from sglang_nsa_cp.kernels.triton_common import jit, owned_rows, program_owned_rows, require_triton, tl, triton, wide
 
 FP8_ROWS_PER_PROGRAM = 8  # launch shape (bench_kernels.py --sweep sets it)
 FP8_NUM_WARPS = 4
@@ -144,13 +144,7 @@ def _store_mla_fp8_kernel(
 ):
     NBLK: tl.constexpr = NOPE // QBLOCK
     ROW_WORDS: tl.constexpr = ROW_BYTES // 4
-    pid = tl.program_id(0)
-    if WIDE:
-        pid = pid.to(tl.int64)
-    row = pid * ROWS + tl.arange(0, ROWS)
-    slot = tl.load(slots + row, mask=row < n_rows, other=-1)
-    dst, keep = owned_rows(slot, rank, CP_SIZE, PAGE_SIZE)
-    dst = dst.to(row.dtype)
+    pid, row, dst, keep = program_owned_rows(slots, n_rows, rank, CP_SIZE, PAGE_SIZE, WIDE, ROWS)
     # A gathered batch holds mostly other owners' rows: skip their quantization.
     if tl.max(keep.to(tl.int32), axis=0) > 0:
         # Rope: 64 bf16 values copied as 32 words.
