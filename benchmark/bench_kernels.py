@@ -42,9 +42,8 @@ from typing import Callable
 import torch
 import triton
 
-from sglang_nsa_cp.kernels import cuda_fp8_store
-from sglang_nsa_cp.kernels import reference as ref
-from sglang_nsa_cp.kernels import triton_kernels as tk
+from sglang_nsa_cp.cli import comma_list, format_table
+from sglang_nsa_cp.kernels import copy_rows, formats, index_k_store, mla_fp8_store
 from sglang_nsa_cp.layout.split import plan_split
 
 MIB = 1 << 20
@@ -118,8 +117,8 @@ def gather_case(use, rows_name, pattern, mib, src, index, out_rows) -> Case:
     out = torch.empty((out_rows, src.shape[1]), dtype=src.dtype, device=DEV)
 
     def check():
-        got = tk.gather_rows(src, index, poison(out))
-        return same_bytes(got, ref.gather_rows(src, index, poison(out.clone())))
+        got = copy_rows.gather_rows_triton(src, index, poison(out))
+        return same_bytes(got, copy_rows.gather_rows_torch(src, index, poison(out.clone())))
 
     torch_fns = {
         f"index_select[{name}]": (lambda s=s, o=o: torch.index_select(s, 0, index, out=o))
@@ -127,7 +126,7 @@ def gather_case(use, rows_name, pattern, mib, src, index, out_rows) -> Case:
     }
     moved = 2 * index.numel() * src.shape[1] * src.element_size()
     return Case(
-        "gather_rows", use, rows_name, pattern, mib, moved, lambda: tk.gather_rows(src, index, out), torch_fns, check
+        "gather_rows", use, rows_name, pattern, mib, moved, lambda: copy_rows.gather_rows_triton(src, index, out), torch_fns, check
     )
 
 
@@ -135,8 +134,8 @@ def scatter_case(use, rows_name, pattern, mib, src, index, dst_rows) -> Case:
     dst = torch.empty((dst_rows, src.shape[1]), dtype=src.dtype, device=DEV)
 
     def check():
-        got = tk.scatter_rows(poison(dst), index, src)
-        return same_bytes(got, ref.scatter_rows(poison(dst.clone()), index, src))
+        got = copy_rows.scatter_rows_triton(poison(dst), index, src)
+        return same_bytes(got, copy_rows.scatter_rows_torch(poison(dst.clone()), index, src))
 
     torch_fns = {
         f"index_copy_[{name}]": (lambda d=d, s=s: d.index_copy_(0, index, s))
@@ -144,7 +143,7 @@ def scatter_case(use, rows_name, pattern, mib, src, index, dst_rows) -> Case:
     }
     moved = 2 * src.numel() * src.element_size()
     return Case(
-        "scatter_rows", use, rows_name, pattern, mib, moved, lambda: tk.scatter_rows(dst, index, src), torch_fns, check
+        "scatter_rows", use, rows_name, pattern, mib, moved, lambda: copy_rows.scatter_rows_triton(dst, index, src), torch_fns, check
     )
 
 
@@ -198,12 +197,12 @@ def store_slots(pattern: str, tokens: int, cp_size: int) -> tuple[torch.Tensor, 
 
 
 def owned_count(slots: torch.Tensor, cp_size: int) -> int:
-    return int((ref.owned_physical_rows(slots, 0, cp_size, PAGE) >= 0).sum())
+    return int((formats.owned_physical_rows(slots, 0, cp_size, PAGE) >= 0).sum())
 
 
 def compact(slots: torch.Tensor, cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions and shard rows of rank 0's owned slots (plain torch, with a host sync)."""
-    rows = ref.owned_physical_rows(slots, 0, cp_size, PAGE)
+    rows = formats.owned_physical_rows(slots, 0, cp_size, PAGE)
     pos = (rows >= 0).nonzero().squeeze(1)
     return pos, rows[pos]
 
@@ -216,15 +215,15 @@ def store_rows_case(mib: int, pattern: str, n: int, rows_name: str) -> Case:
     shard = torch.empty((shard_rows, width), dtype=dtype, device=DEV)
 
     def check():
-        got = tk.store_owned_rows(poison(shard), slots, rows, 0, n, PAGE)
-        return same_bytes(got, ref.store_owned_rows(poison(shard.clone()), slots, rows, 0, n, PAGE))
+        got = copy_rows.store_owned_rows_triton(poison(shard), slots, rows, 0, n, PAGE)
+        return same_bytes(got, copy_rows.store_owned_rows_torch(poison(shard.clone()), slots, rows, 0, n, PAGE))
 
     def compact_copy():
         pos, dst = compact(slots, n)
         word_view(shard).index_copy_(0, dst, word_view(rows).index_select(0, pos))
 
     torch_fns = {
-        "reference": lambda: ref.store_owned_rows(shard, slots, rows, 0, n, PAGE),
+        "reference": lambda: copy_rows.store_owned_rows_torch(shard, slots, rows, 0, n, PAGE),
         "compact+index_copy_[words]": compact_copy,
     }
     moved = 2 * owned_count(slots, n) * row_bytes
@@ -235,7 +234,7 @@ def store_rows_case(mib: int, pattern: str, n: int, rows_name: str) -> Case:
         f"{pattern} cp{n}",
         mib,
         moved,
-        lambda: tk.store_owned_rows(shard, slots, rows, 0, n, PAGE),
+        lambda: copy_rows.store_owned_rows_triton(shard, slots, rows, 0, n, PAGE),
         torch_fns,
         check,
     )
@@ -244,25 +243,25 @@ def store_rows_case(mib: int, pattern: str, n: int, rows_name: str) -> Case:
 def store_fp8_case(mib: int, pattern: str, n: int, impl: str) -> Case:
     """Quantize + store: bf16 latent rows in, 656-byte fp8 rows out, by the Triton or the CUDA
     kernel (impl "triton" or "cuda")."""
-    store = tk.store_owned_mla_fp8 if impl == "triton" else cuda_fp8_store.store_owned_mla_fp8
+    store = mla_fp8_store.store_owned_mla_fp8_triton if impl == "triton" else mla_fp8_store.store_owned_mla_fp8_cuda
     slots, shard_rows = store_slots(pattern, mib * MIB // 1152, n)
     tokens = slots.numel()
     kv = (torch.randn(tokens, 576, device=DEV) * torch.exp(torch.randn(tokens, 1, device=DEV))).to(torch.bfloat16)
-    shard = torch.empty((shard_rows, ref.MLA_FP8_ROW_BYTES), dtype=torch.uint8, device=DEV)
+    shard = torch.empty((shard_rows, formats.MLA_FP8_ROW_BYTES), dtype=torch.uint8, device=DEV)
 
     def check():
         got = store(poison(shard), slots, kv, 0, n, PAGE)
-        return same_bytes(got, ref.store_owned_mla_fp8(poison(shard.clone()), slots, kv, 0, n, PAGE))
+        return same_bytes(got, mla_fp8_store.store_owned_mla_fp8_torch(poison(shard.clone()), slots, kv, 0, n, PAGE))
 
     def compact_quantize():
         pos, dst = compact(slots, n)
-        shard.index_copy_(0, dst, ref.quantize_mla_fp8(kv.index_select(0, pos)))
+        shard.index_copy_(0, dst, formats.quantize_mla_fp8(kv.index_select(0, pos)))
 
     torch_fns = {
-        "reference": lambda: ref.store_owned_mla_fp8(shard, slots, kv, 0, n, PAGE),
+        "reference": lambda: mla_fp8_store.store_owned_mla_fp8_torch(shard, slots, kv, 0, n, PAGE),
         "compact+quantize+index_copy_": compact_quantize,
     }
-    moved = owned_count(slots, n) * (1152 + ref.MLA_FP8_ROW_BYTES)
+    moved = owned_count(slots, n) * (1152 + formats.MLA_FP8_ROW_BYTES)
     return Case(
         "store_owned_mla_fp8" if impl == "triton" else "store_owned_mla_fp8[cuda]",
         "store",
@@ -278,20 +277,20 @@ def store_fp8_case(mib: int, pattern: str, n: int, impl: str) -> Case:
 
 def store_index_case(mib: int, pattern: str, n: int) -> Case:
     """Index K + scale into SGLang's index-K pages."""
-    slots, shard_rows = store_slots(pattern, mib * MIB // ref.INDEX_ROW_BYTES, n)
+    slots, shard_rows = store_slots(pattern, mib * MIB // formats.INDEX_ROW_BYTES, n)
     tokens = slots.numel()
-    key = random_rows(tokens, torch.uint8, ref.INDEX_HEAD_DIM)
+    key = random_rows(tokens, torch.uint8, formats.INDEX_HEAD_DIM)
     scale = torch.rand(tokens, device=DEV)
-    pages = torch.empty((shard_rows // PAGE, PAGE * ref.INDEX_ROW_BYTES), dtype=torch.uint8, device=DEV)
+    pages = torch.empty((shard_rows // PAGE, PAGE * formats.INDEX_ROW_BYTES), dtype=torch.uint8, device=DEV)
     # The key and scale regions of every page, as strided views for advanced indexing.
-    keys = pages.as_strided((pages.shape[0], PAGE, ref.INDEX_HEAD_DIM), (pages.shape[1], ref.INDEX_HEAD_DIM, 1))
+    keys = pages.as_strided((pages.shape[0], PAGE, formats.INDEX_HEAD_DIM), (pages.shape[1], formats.INDEX_HEAD_DIM, 1))
     scales = pages.view(torch.float32).as_strided(
-        (pages.shape[0], PAGE), (pages.shape[1] // 4, 1), PAGE * ref.INDEX_HEAD_DIM // 4
+        (pages.shape[0], PAGE), (pages.shape[1] // 4, 1), PAGE * formats.INDEX_HEAD_DIM // 4
     )
 
     def check():
-        got = tk.store_owned_index_k(poison(pages), slots, key, scale, 0, n, PAGE)
-        return same_bytes(got, ref.store_owned_index_k(poison(pages.clone()), slots, key, scale, 0, n, PAGE))
+        got = index_k_store.store_owned_index_k_triton(poison(pages), slots, key, scale, 0, n, PAGE)
+        return same_bytes(got, index_k_store.store_owned_index_k_torch(poison(pages.clone()), slots, key, scale, 0, n, PAGE))
 
     def compact_put():
         pos, dst = compact(slots, n)
@@ -299,10 +298,10 @@ def store_index_case(mib: int, pattern: str, n: int) -> Case:
         scales[dst // PAGE, dst % PAGE] = scale.index_select(0, pos)
 
     torch_fns = {
-        "reference": lambda: ref.store_owned_index_k(pages, slots, key, scale, 0, n, PAGE),
+        "reference": lambda: index_k_store.store_owned_index_k_torch(pages, slots, key, scale, 0, n, PAGE),
         "compact+index_put_": compact_put,
     }
-    moved = 2 * owned_count(slots, n) * ref.INDEX_ROW_BYTES
+    moved = 2 * owned_count(slots, n) * formats.INDEX_ROW_BYTES
     return Case(
         "store_owned_index_k",
         "store",
@@ -310,7 +309,7 @@ def store_index_case(mib: int, pattern: str, n: int) -> Case:
         f"{pattern} cp{n}",
         mib,
         moved,
-        lambda: tk.store_owned_index_k(pages, slots, key, scale, 0, n, PAGE),
+        lambda: index_k_store.store_owned_index_k_triton(pages, slots, key, scale, 0, n, PAGE),
         torch_fns,
         check,
     )
@@ -398,7 +397,8 @@ def _in_copy_sweep(c: Case) -> bool:
     return c.use == "materialize"
 
 
-# family: (launch-shape names in triton_kernels, candidate values, which cases to time)
+# family: (launch-shape names in the op's module, candidate values, which cases to time)
+SWEEP_MODULES = {"copy": copy_rows, "store": copy_rows, "narrow": copy_rows, "fp8": mla_fp8_store, "index": index_k_store}
 SWEEPS = {
     "copy": (("COPY_BYTES_PER_PROGRAM", "COPY_NUM_WARPS"), [(2048, 4), (4096, 4), (8192, 4)], _in_copy_sweep),
     "store": (
@@ -428,12 +428,13 @@ def sweep(cases: list[Case], timer: Timer) -> list[dict]:
     """Time every candidate launch shape of each family on its cases."""
     rows = []
     for family, (names, configs, wanted) in SWEEPS.items():
-        saved = [getattr(tk, n) for n in names]
+        module = SWEEP_MODULES[family]
+        saved = [getattr(module, n) for n in names]
         for case in filter(wanted, cases):
             t_copy = timer.copy_us(case.moved_bytes)
             for config in configs:
                 for n, v in zip(names, config, strict=True):
-                    setattr(tk, n, v)
+                    setattr(module, n, v)
                 t = timer.us(case.triton_fn)
                 rows.append(
                     dict(
@@ -452,7 +453,7 @@ def sweep(cases: list[Case], timer: Timer) -> list[dict]:
                     flush=True,
                 )
         for n, v in zip(names, saved, strict=True):
-            setattr(tk, n, v)
+            setattr(module, n, v)
     return rows
 
 
@@ -465,7 +466,7 @@ def apply_best(rows: list[dict]) -> None:
                 scores.setdefault(tuple(r["config"]), []).append(math.log(r["of_copy"]))
         best = max(scores, key=lambda c: statistics.fmean(scores[c]))
         for n, v in zip(names, best, strict=True):
-            setattr(tk, n, v)
+            setattr(SWEEP_MODULES[family], n, v)
         print(
             f"sweep {family}: using {dict(zip(names, best, strict=True))} (geomean {math.exp(statistics.fmean(scores[best])):.3f} of copy)"
         )
@@ -491,20 +492,19 @@ def machine() -> dict:
         "python": sys.version.split()[0],
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "commit": commit,
-        "launch_shapes": {n: getattr(tk, n) for names, _, _ in SWEEPS.values() for n in names},
+        "launch_shapes": {n: getattr(SWEEP_MODULES[f], n) for f, (names, _, _) in SWEEPS.items() for n in names},
     }
 
 
 def print_table(results: list[dict]) -> None:
-    head = f"{'kernel':20} {'use':19} {'rows':22} {'pattern':24} {'MiB in':>6} {'MiB mv':>7} {'us':>8} {'GB/s':>6} {'copy GB/s':>9} {'of copy':>7} {'torch us':>9} {'speedup':>7}  {'ok':3} torch impl"
-    print(head)
-    print("-" * len(head))
-    for r in results:
-        print(
-            f"{r['kernel']:20} {r['use']:19} {r['rows']:22} {r['pattern']:24} {r['mib_in']:6} {r['moved_bytes'] / MIB:7.1f} "
-            f"{r['triton_us']:8.1f} {r['gbps']:6.0f} {r['copy_gbps']:9.0f} {r['of_copy']:7.3f} {r['torch_us']:9.1f} "
-            f"{r['speedup']:7.2f}  {'ok' if r['ok'] else 'BAD':3} {r['torch_impl']}"
-        )
+    head = ["kernel", "use", "rows", "pattern", "MiB in", "MiB mv", "us", "GB/s", "copy GB/s", "of copy", "torch us", "speedup", "ok", "torch impl"]
+    rows = [
+        [r["kernel"], r["use"], r["rows"], r["pattern"], r["mib_in"], f"{r['moved_bytes'] / MIB:.1f}", f"{r['triton_us']:.1f}",
+         f"{r['gbps']:.0f}", f"{r['copy_gbps']:.0f}", f"{r['of_copy']:.3f}", f"{r['torch_us']:.1f}", f"{r['speedup']:.2f}",
+         "ok" if r["ok"] else "BAD", r["torch_impl"]]
+        for r in results
+    ]  # fmt: skip
+    print(format_table([head, *rows], align="llll" + "r" * 8 + "ll", header_rule=True))
     print(f"geometric mean: {geomean(results, 'of_copy'):.3f} of copy, {geomean(results, 'speedup'):.2f}x plain torch")
 
 
@@ -552,7 +552,7 @@ def plot(results: list[dict], path: str, title: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="16,64,256", help="input sizes in MiB, comma-separated")
+    parser.add_argument("--sizes", type=comma_list(low=1), default=[16, 64, 256], help="input sizes in MiB, comma-separated")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--iters", type=int, default=60, help="timed runs per measurement (median)")
     parser.add_argument("--plot", action="store_true", help="draw fraction-of-copy bars to OUT/bench_kernels.png")
@@ -565,7 +565,7 @@ def main() -> None:
     if triton.knobs.runtime.interpret:
         sys.exit("unset TRITON_INTERPRET: the benchmark times compiled kernels")
     os.makedirs(args.out, exist_ok=True)
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = args.sizes
     info = machine()
     print(" ".join(f"{k}={v}" for k, v in info.items()))
     timer = Timer(args.iters, warmup=5)

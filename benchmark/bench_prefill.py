@@ -29,6 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from sglang_nsa_cp.cli import comma_list, format_table, int_pair
 from sglang_nsa_cp.comm import TrafficCounter, all_gather_rows, run_ranks
 from sglang_nsa_cp.layout import OwnerClassedAllocator, RequestPageTable
 from sglang_nsa_cp.oracle import rel_err
@@ -237,12 +238,6 @@ def _machine(args) -> dict:
     return info
 
 
-def format_table(rows) -> str:
-    """Right-aligned columns, one row per line (the first row is the header)."""
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(r, widths)) for r in rows)
-
-
 def report(out, args) -> dict:
     rows = [["case", "path", "ms", "x replicated", "exposed mat ms", "KV MiB/rank", "scratch MiB", "logit rel err vs 1 GPU"]]
     summary = []
@@ -254,12 +249,12 @@ def report(out, args) -> dict:
             err = rel_err(r["logits"], base)
             rows.append([row["case"]["name"], path, f"{r['ms']:.1f}", f"{ratio:.3f}", f"{r['exposed_materialize_ms']:.2f}", f"{r['kv_bytes'] / MIB:.1f}", f"{r['scratch_bytes'] / MIB:.1f}", f"{err:.1e}"])
             summary.append({"case": row["case"], "path": path, **{k: v for k, v in r.items() if k != "logits"}, "x_replicated": ratio, "logit_rel_err_vs_one_gpu": err})
-    print(format_table(rows))
+    print(format_table(rows, align="r"))
     print()
     rows = [["history tokens", "gathered MiB", "materialize ms", "all-gather ms", "materialize GB/s", "all-gather GB/s", "of all-gather"]]
     for b in out["bandwidth"]:
         rows.append([b["history_tokens"], f"{b['gathered_bytes'] / MIB:.1f}", f"{b['materialize_ms']:.3f}", f"{b['allgather_ms']:.3f}", f"{b['materialize_GBps']:.1f}", f"{b['allgather_GBps']:.1f}", f"{b['fraction_of_allgather']:.2f}"])
-    print(format_table(rows))
+    print(format_table(rows, align="r"))
     return {"machine": _machine(args), "args": {k: v for k, v in vars(args).items()}, "paths": summary, "materialize_bandwidth": out["bandwidth"]}
 
 
@@ -303,14 +298,6 @@ def _plot(raw, path):
     print(f"plot: {path}")
 
 
-def _pairs(text):
-    return [tuple(int(x) for x in item.split(":")) for item in text.split(",") if item]
-
-
-def _ints(text):
-    return [int(x) for x in text.split(",") if x]
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cp", type=int, default=2)
@@ -318,11 +305,11 @@ def main(argv=None):
     p.add_argument("--config", default="glm5-attn")
     p.add_argument("--split", choices=["zigzag", "interleave"], default="zigzag")
     p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--cold", type=_ints, default=[16384, 32768, 65536])
-    p.add_argument("--hit", type=_pairs, default=[(61440, 4096)], help="PREFIX:NEW,... (PREFIX a multiple of the page size)")
+    p.add_argument("--cold", type=comma_list(low=1), default=[16384, 32768, 65536])
+    p.add_argument("--hit", type=comma_list(int_pair, noun="PREFIX:NEW pair"), default=[(61440, 4096)], help="PREFIX:NEW,... (PREFIX a multiple of the page size)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bw-repeats", type=int, default=20)
-    p.add_argument("--sweep-mib", type=lambda t: [float(x) for x in t.split(",") if x], default=[16, 64, 256])
+    p.add_argument("--sweep-mib", type=comma_list(float, low=0, noun="number"), default=[16, 64, 256])
     p.add_argument("--out", default="benchmark/results")
     p.add_argument("--plot", action="store_true")
     args = p.parse_args(argv)

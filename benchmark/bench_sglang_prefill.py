@@ -37,8 +37,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "test"))
 
 import sglang_gpu_harness as G  # noqa: E402
-from bench_prefill import format_table, materialize_vs_allgather, save_results  # noqa: E402
+from bench_prefill import materialize_vs_allgather, save_results  # noqa: E402
 
+from sglang_nsa_cp.cli import comma_list, format_table, int_pair  # noqa: E402
 from sglang_nsa_cp.comm import run_ranks  # noqa: E402
 
 PATHS = ("replicated", "shared", "shared_prefetch")
@@ -68,7 +69,7 @@ class _LayerClock:
 def _engine(sa, mc, model, path, cp_group, pool_pages, max_len, chunk):
     import sglang_model_harness as H
 
-    from sglang_nsa_cp.sglang_ext.environ import envs
+    from sglang_nsa_cp.envs import envs
     from sglang_nsa_cp.sglang_ext.server_args import ATTR
 
     shared = path != "replicated"
@@ -247,12 +248,12 @@ def report(out, args) -> dict:
          "yes" if s["logits_identical_to_replicated"] else f"no ({s['max_logit_diff_vs_replicated']:.2e})"]
         for s in summary
     ]  # fmt: skip
-    print(format_table(table))
+    print(format_table(table, align="r"))
     print()
     bw = [["history tokens", "gathered MiB", "materialize ms", "all-gather ms", "fraction of all-gather"]]
     for b in out["bandwidth"]:
         bw.append([b["history_tokens"], f"{b['gathered_bytes'] / MIB:.1f}", f"{b['materialize_ms']:.3f}", f"{b['allgather_ms']:.3f}", f"{b['fraction_of_allgather']:.2f}"])
-    print(format_table(bw))
+    print(format_table(bw, align="r"))
     print()
     print(out["stand_ins"])
     for path, table in out["profiles"].items():
@@ -296,14 +297,6 @@ def _plot(raw, path):
     print(f"plot: {path}")
 
 
-def _ints(text):
-    return [int(x) for x in text.split(",") if x]
-
-
-def _pairs(text):
-    return [tuple(int(x) for x in item.split(":")) for item in text.split(",") if item]
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cp", type=int, default=2)
@@ -311,8 +304,8 @@ def main(argv=None):
     p.add_argument("--chunk", type=int, default=8192, help="--chunked-prefill-size")
     p.add_argument("--kv-cache-dtype", choices=("bfloat16", "fp8_e4m3"), default="bfloat16",
                    help="fp8_e4m3: SGLang's fp8 pool (656-byte FlashMLA rows) on every path")
-    p.add_argument("--cold", type=_ints, default=[32768, 65536, 131072])
-    p.add_argument("--hit", type=_pairs, default=[(61440, 4096), (126976, 4096)], help="PREFIX:NEW,... (PREFIX a multiple of 64)")
+    p.add_argument("--cold", type=comma_list(low=1), default=[32768, 65536, 131072])
+    p.add_argument("--hit", type=comma_list(int_pair, noun="PREFIX:NEW pair"), default=[(61440, 4096), (126976, 4096)], help="PREFIX:NEW,... (PREFIX a multiple of 64)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bw-repeats", type=int, default=20)
     p.add_argument("--out", default="benchmark/results")

@@ -195,7 +195,7 @@ def run_check(rank, world, group, model_path, mode, prefetch=True, kv_cache_dtyp
         from sglang.srt.plugins import load_plugins
         from sglang.srt.runtime_context import get_parallel
 
-        from sglang_nsa_cp.sglang_ext.environ import envs
+        from sglang_nsa_cp.envs import envs
         from sglang_nsa_cp.sglang_ext.server_args import ATTR
 
         load_plugins()

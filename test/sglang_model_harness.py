@@ -360,7 +360,7 @@ def run_scenario(rank, world, group, model_path, mode, prefetch=True, kv_cache_d
     if mode == "shared":
         from sglang.srt.plugins import load_plugins
 
-        from sglang_nsa_cp.sglang_ext.environ import envs
+        from sglang_nsa_cp.envs import envs
         from sglang_nsa_cp.sglang_ext.server_args import ATTR
 
         load_plugins()  # the plugin's entry point, as every SGLang process does

@@ -1,8 +1,10 @@
 """CP collectives on gloo with 2, 3 and 4 processes: all-gather-rerange with uneven counts, the
 narrow tail gather, owned-row gathers, byte counters; and a failing rank is reported, not hung."""
 
+import os
 import random
 import sys
+import time
 
 import pytest
 import torch
@@ -93,8 +95,39 @@ def _fail_on_rank_one(rank, world, group):
 
 
 def test_a_failing_rank_is_named_instead_of_hanging():
-    with pytest.raises(RankFailure, match=r"rank 1 failed:[\s\S]*boom on rank one"):
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"rank 1/3 failed:[\s\S]*boom on rank one[\s\S]*ranks \[0, 2\] of 3 were stopped"):
         run_ranks(_fail_on_rank_one, 3, timeout_s=60)
+    assert time.monotonic() - start < 50, "the survivors were waited for instead of stopped"
+
+
+def _die_on_rank_two(rank, world, group):
+    if rank == 2:
+        os._exit(3)  # no traceback, no report: only the exit code tells
+    torch.distributed.barrier(group)
+
+
+def test_a_dead_rank_stops_the_others():
+    with pytest.raises(RankFailure, match=r"rank 2/3 failed:\nprocess exited with code 3"):
+        run_ranks(_die_on_rank_two, 3, timeout_s=60)
+
+
+def _hang_on_rank_zero(rank, world, group):
+    if rank == 0:
+        _wait_forever_on_rank_zero()
+
+
+def _wait_forever_on_rank_zero():
+    time.sleep(3600)
+
+
+def test_a_timeout_names_the_rank_and_dumps_its_stack():
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_hang_on_rank_zero, 2, timeout_s=40)
+    text = str(failure.value)
+    assert "rank 0/2 failed: did not finish within 40 s" in text, text
+    assert "_wait_forever_on_rank_zero" in text, f"rank 0's stack was not dumped: {text}"
+    assert "rank 1/2" not in text, f"rank 1 finished and must not be blamed: {text}"
 
 
 def test_rows_beyond_the_bound_are_refused():

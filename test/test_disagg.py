@@ -40,12 +40,12 @@ from sglang_nsa_cp.disagg import (
     page_checksums,
     plan_owned_pages,
 )
+from sglang_nsa_cp.kernels.formats import INDEX_ROW_BYTES
 
 register_cpu_ci(est_time=30, suite="nsa-cp-test-cpu")
 
 pytestmark = pytest.mark.timeout(120)
 
-INDEX_ROW_BYTES = 132  # 128 fp8 key bytes + one fp32 scale per token
 KV_ROW = {"bf16": (torch.bfloat16, 576), "fp8": (torch.uint8, 656)}  # dtype, values per row
 SENTINEL = 0xAB  # decode pool fill: a page nobody wrote still reads as this
 SECRET = b"test-disagg-secret-0123456789abcdef"  # keys every message here (auth.py)

@@ -36,8 +36,8 @@ pytestmark = pytest.mark.skipif(
 from triton.errors import TritonError  # noqa: E402
 
 from sglang_nsa_cp import kernels  # noqa: E402
-from sglang_nsa_cp.kernels import reference as ref  # noqa: E402
-from sglang_nsa_cp.kernels import triton_kernels as tk  # noqa: E402
+from sglang_nsa_cp.envs import envs  # noqa: E402
+from sglang_nsa_cp.kernels import copy_rows, formats, index_k_store, mla_fp8_store  # noqa: E402
 
 POISON = 0xAB
 # (name, dtype, elements per row): the row kinds of the shared-KV path, plus widths that force
@@ -54,7 +54,7 @@ ROW_KINDS = [
 
 @pytest.fixture
 def seed() -> int:
-    value = int(os.environ.get("SGLANG_NSA_CP_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+    value = (envs.SGLANG_NSA_CP_TEST_SEED.get() or int.from_bytes(os.urandom(4), "little"))
     torch.manual_seed(value)
     return value
 
@@ -97,8 +97,8 @@ def test_gather_rows(seed, kind, dtype, width, index_dtype):
     n = int(torch.randint(1, 40, ()))
     src = random_rows(src_rows, dtype, width)
     index = with_skips(torch.randint(0, src_rows, (n,)), index_dtype)
-    got = tk.gather_rows(src, index, poisoned(n, dtype, width))
-    want = ref.gather_rows(src, index.long(), poisoned(n, dtype, width))
+    got = copy_rows.gather_rows_triton(src, index, poisoned(n, dtype, width))
+    want = copy_rows.gather_rows_torch(src, index.long(), poisoned(n, dtype, width))
     assert_bytes_equal(f"gather {kind} {index_dtype} {src_rows=} {n=} {seed=}", got, want)
 
 
@@ -109,8 +109,8 @@ def test_scatter_rows(seed, kind, dtype, width, index_dtype):
     n = int(torch.randint(1, dst_rows + 1, ()))
     src = random_rows(n, dtype, width)
     index = with_skips(torch.randperm(dst_rows)[:n], index_dtype)
-    got = tk.scatter_rows(poisoned(dst_rows, dtype, width), index, src)
-    want = ref.scatter_rows(poisoned(dst_rows, dtype, width), index.long(), src)
+    got = copy_rows.scatter_rows_triton(poisoned(dst_rows, dtype, width), index, src)
+    want = copy_rows.scatter_rows_torch(poisoned(dst_rows, dtype, width), index.long(), src)
     assert_bytes_equal(f"scatter {kind} {index_dtype} {dst_rows=} {n=} {seed=}", got, want)
 
 
@@ -119,35 +119,35 @@ def test_gather_from_strided_source(seed):
     wide = random_rows(30, torch.bfloat16, 600)
     src = wide[:, 8:584]
     index = with_skips(torch.randint(0, 30, (25,)), torch.int64)
-    got = tk.gather_rows(src, index, poisoned(25, torch.bfloat16, 576))
-    want = ref.gather_rows(src, index, poisoned(25, torch.bfloat16, 576))
+    got = copy_rows.gather_rows_triton(src, index, poisoned(25, torch.bfloat16, 576))
+    want = copy_rows.gather_rows_torch(src, index, poisoned(25, torch.bfloat16, 576))
     assert_bytes_equal(f"strided gather {seed=}", got, want)
 
 
 def test_empty_and_all_skipped(seed):
     src = random_rows(5, torch.uint8, 656)
     out = poisoned(0, torch.uint8, 656)
-    tk.gather_rows(src, torch.empty(0, dtype=torch.long), out)
+    copy_rows.gather_rows_triton(src, torch.empty(0, dtype=torch.long), out)
     out = poisoned(4, torch.uint8, 656)
-    tk.gather_rows(src, torch.full((4,), -1), out)
+    copy_rows.gather_rows_triton(src, torch.full((4,), -1), out)
     assert (out == POISON).all(), f"an all -1 index wrote rows ({seed=})"
     shard = poisoned(8, torch.uint8, 656)
-    tk.store_owned_rows(shard, torch.full((5,), -1), src, 0, 1, 4)
+    copy_rows.store_owned_rows_triton(shard, torch.full((5,), -1), src, 0, 1, 4)
     assert (shard == POISON).all(), f"slots -1 were stored ({seed=})"
 
 
 def test_rejects_bad_input():
     src = torch.zeros(4, 8, dtype=torch.uint8)
     with pytest.raises(TypeError, match="rows are copied as they are"):
-        tk.gather_rows(src, torch.zeros(2, dtype=torch.long), torch.zeros(2, 8, dtype=torch.int8))
+        copy_rows.gather_rows_triton(src, torch.zeros(2, dtype=torch.long), torch.zeros(2, 8, dtype=torch.int8))
     with pytest.raises(TypeError, match="int32 or int64"):
-        tk.gather_rows(src, torch.zeros(2, dtype=torch.int16), torch.zeros(2, 8, dtype=torch.uint8))
+        copy_rows.gather_rows_triton(src, torch.zeros(2, dtype=torch.int16), torch.zeros(2, 8, dtype=torch.uint8))
     with pytest.raises(ValueError, match="1-D with 3 entries"):
-        tk.scatter_rows(src, torch.zeros(2, dtype=torch.long), torch.zeros(3, 8, dtype=torch.uint8))
+        copy_rows.scatter_rows_triton(src, torch.zeros(2, dtype=torch.long), torch.zeros(3, 8, dtype=torch.uint8))
     with pytest.raises(ValueError, match="contiguous rows"):
-        tk.gather_rows(src.t(), torch.zeros(2, dtype=torch.long), torch.zeros(2, 4, dtype=torch.uint8))
+        copy_rows.gather_rows_triton(src.t(), torch.zeros(2, dtype=torch.long), torch.zeros(2, 4, dtype=torch.uint8))
     with pytest.raises(ValueError, match="rank < cp_size"):
-        tk.store_owned_rows(src, torch.zeros(4, dtype=torch.long), src, 2, 2, 64)
+        copy_rows.store_owned_rows_triton(src, torch.zeros(4, dtype=torch.long), src, 2, 2, 64)
 
 
 # ---- fused stores ----------------------------------------------------------------------------
@@ -173,8 +173,8 @@ def test_store_owned_rows(seed, cp_size, page_size, kind, dtype, width):
     rows = random_rows(tokens, dtype, width)
     shard_rows = pages // cp_size * page_size
     for rank in range(cp_size):
-        got = tk.store_owned_rows(poisoned(shard_rows, dtype, width), slots.int(), rows, rank, cp_size, page_size)
-        want = ref.store_owned_rows(poisoned(shard_rows, dtype, width), slots, rows, rank, cp_size, page_size)
+        got = copy_rows.store_owned_rows_triton(poisoned(shard_rows, dtype, width), slots.int(), rows, rank, cp_size, page_size)
+        want = copy_rows.store_owned_rows_torch(poisoned(shard_rows, dtype, width), slots, rows, rank, cp_size, page_size)
         assert_bytes_equal(f"store {kind} {cp_size=} {page_size=} {rank=} {tokens=} {seed=}", got, want)
 
 
@@ -194,8 +194,8 @@ def test_store_owned_mla_fp8(seed, cp_size, page_size):
     kv = bf16_latent(tokens)
     shard_rows = pages // cp_size * page_size
     for rank in range(cp_size):
-        got = tk.store_owned_mla_fp8(poisoned(shard_rows, torch.uint8, 656), slots, kv, rank, cp_size, page_size)
-        want = ref.store_owned_mla_fp8(poisoned(shard_rows, torch.uint8, 656), slots, kv, rank, cp_size, page_size)
+        got = mla_fp8_store.store_owned_mla_fp8_triton(poisoned(shard_rows, torch.uint8, 656), slots, kv, rank, cp_size, page_size)
+        want = mla_fp8_store.store_owned_mla_fp8_torch(poisoned(shard_rows, torch.uint8, 656), slots, kv, rank, cp_size, page_size)
         assert_bytes_equal(f"fp8 store {cp_size=} {page_size=} {rank=} {tokens=} {seed=}", got, want)
 
 
@@ -217,8 +217,8 @@ def every_bf16_block_value() -> torch.Tensor:
 def test_fp8_rounding_of_every_bf16_value():
     kv = every_bf16_block_value()
     slots = torch.arange(kv.shape[0])
-    got = tk.store_owned_mla_fp8(poisoned(kv.shape[0], torch.uint8, 656), slots, kv, 0, 1, 64)
-    want = ref.quantize_mla_fp8(kv)
+    got = mla_fp8_store.store_owned_mla_fp8_triton(poisoned(kv.shape[0], torch.uint8, 656), slots, kv, 0, 1, 64)
+    want = formats.quantize_mla_fp8(kv)
     assert_bytes_equal("fp8 rounding of every bf16 value in [2**-12, 448]", got, want)
 
 
@@ -231,18 +231,18 @@ def test_store_owned_index_k(seed, cp_size, page_size):
     scale = torch.rand(tokens) * 10
     local_pages = pages // cp_size
     for rank in range(cp_size):
-        got = tk.store_owned_index_k(
+        got = index_k_store.store_owned_index_k_triton(
             poisoned(local_pages, torch.uint8, page_size * 132), slots, key, scale, rank, cp_size, page_size
         )
-        want = ref.store_owned_index_k(
+        want = index_k_store.store_owned_index_k_torch(
             poisoned(local_pages, torch.uint8, page_size * 132), slots, key, scale, rank, cp_size, page_size
         )
         name = f"index-K store {cp_size=} {page_size=} {rank=} {tokens=} {seed=}"
         assert_bytes_equal(name, got, want)
         # Round trip through SGLang's page layout: each owned token reads back where it belongs.
-        rows = ref.owned_physical_rows(slots, rank, cp_size, page_size)
+        rows = formats.owned_physical_rows(slots, rank, cp_size, page_size)
         mine = rows >= 0
-        back_key, back_scale = ref.read_index_k(got, rows[mine], page_size)
+        back_key, back_scale = formats.read_index_k(got, rows[mine], page_size)
         assert torch.equal(back_key, key[mine]), name
         assert torch.equal(back_scale, scale[mine]), name
 
@@ -279,32 +279,30 @@ def test_dispatch_rule(mode):
 
 
 def test_fp8_store_prefers_its_cuda_kernel_and_falls_back_to_triton_with_one_warning(mode, monkeypatch):
-    from sglang_nsa_cp.kernels import cuda_fp8_store
-
     cuda, op = torch.device("cuda"), "store_owned_mla_fp8"
     mode(None)
-    monkeypatch.setattr(cuda_fp8_store, "build", lambda device: object())
+    monkeypatch.setattr(mla_fp8_store, "build_cuda", lambda device: object())
     assert kernels.implementation(op, cuda) == "cuda"
     assert kernels.implementation("store_owned_rows", cuda) == "triton"  # no CUDA kernel
 
     def no_toolkit(device):
         raise OSError("CUDA_HOME environment variable is not set")
 
-    monkeypatch.setattr(cuda_fp8_store, "build", no_toolkit)
+    monkeypatch.setattr(mla_fp8_store, "build_cuda", no_toolkit)
     with pytest.warns(RuntimeWarning, match="could not be built .*CUDA_HOME.* using the Triton kernel"):
         assert kernels.implementation(op, cuda) == "triton"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert kernels.implementation(op, cuda) == "triton"
     mode("triton")
-    monkeypatch.setattr(cuda_fp8_store, "build", lambda device: object())
+    monkeypatch.setattr(mla_fp8_store, "build_cuda", lambda device: object())
     assert kernels.implementation(op, cuda) == "triton"
 
 
 def test_forced_triton_on_cpu_runs_the_kernel(mode, monkeypatch):
     mode("triton")
     calls = []
-    monkeypatch.setattr(tk, "gather_rows", lambda *a: calls.append(a) or ref.gather_rows(*a))
+    monkeypatch.setattr(copy_rows, "gather_rows_triton", lambda *a: calls.append(a) or copy_rows.gather_rows_torch(*a))
     src = random_rows(4, torch.uint8, 8)
     kernels.gather_rows(src, torch.tensor([3, -1]), poisoned(2, torch.uint8, 8))
     assert len(calls) == 1
@@ -317,12 +315,12 @@ def test_failed_launch_falls_back_once_with_a_warning(mode, monkeypatch):
     def broken(*args):
         raise TritonError("no compiler")
 
-    monkeypatch.setattr(tk, "scatter_rows", broken)
+    monkeypatch.setattr(copy_rows, "scatter_rows_triton", broken)
     src = random_rows(3, torch.uint8, 8)
     index = torch.tensor([2, -1, 0])
     with pytest.warns(RuntimeWarning, match="scatter_rows: the Triton kernel failed"):
         got = kernels.scatter_rows(poisoned(4, torch.uint8, 8), index, src)
-    assert_bytes_equal("fallback result", got, ref.scatter_rows(poisoned(4, torch.uint8, 8), index, src))
+    assert_bytes_equal("fallback result", got, copy_rows.scatter_rows_torch(poisoned(4, torch.uint8, 8), index, src))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         kernels.scatter_rows(poisoned(4, torch.uint8, 8), index, src)

@@ -31,9 +31,8 @@ if triton.knobs.runtime.interpret:
     pytest.skip("GPU kernel tests need TRITON_INTERPRET=0", allow_module_level=True)
 
 from sglang_nsa_cp import kernels  # noqa: E402
-from sglang_nsa_cp.kernels import cuda_fp8_store  # noqa: E402
-from sglang_nsa_cp.kernels import reference as ref  # noqa: E402
-from sglang_nsa_cp.kernels import triton_kernels as tk  # noqa: E402
+from sglang_nsa_cp.envs import envs  # noqa: E402
+from sglang_nsa_cp.kernels import copy_rows, formats, index_k_store, mla_fp8_store  # noqa: E402
 
 from test_kernels import assert_bytes_equal, every_bf16_block_value  # noqa: E402
 
@@ -55,14 +54,14 @@ COPY_KINDS = [(name, dtype, width, 1) for name, dtype, width in ROW_KINDS] + [
 def fp8_store(request):
     """The fp8 store under test: the Triton kernel, or the CUDA one (built on first use)."""
     if request.param == "triton":
-        return tk.store_owned_mla_fp8
-    cuda_fp8_store.build(DEV)  # a build failure fails the test: the GPU machine has nvcc and ninja
-    return cuda_fp8_store.store_owned_mla_fp8
+        return mla_fp8_store.store_owned_mla_fp8_triton
+    mla_fp8_store.build_cuda(DEV)  # a build failure fails the test: the GPU machine has nvcc and ninja
+    return mla_fp8_store.store_owned_mla_fp8_cuda
 
 
 @pytest.fixture
 def seed() -> int:
-    value = int(os.environ.get("SGLANG_NSA_CP_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+    value = envs.SGLANG_NSA_CP_TEST_SEED.get() or int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(value)
     return value
 
@@ -101,10 +100,10 @@ def test_gather_and_scatter(seed, kind, dtype, width, tokens_per_row, tokens, in
     src = random_rows(rows, dtype, width)
     index = with_skips(torch.randperm(rows, device=DEV)).to(index_dtype)
     name = f"{kind} {tokens=} {index_dtype} {seed=}"
-    got = tk.gather_rows(src, index, poisoned(rows, dtype, width))
-    assert_bytes_equal(f"gather {name}", got, ref.gather_rows(src, index.long(), poisoned(rows, dtype, width)))
-    got = tk.scatter_rows(poisoned(rows, dtype, width), index, src)
-    assert_bytes_equal(f"scatter {name}", got, ref.scatter_rows(poisoned(rows, dtype, width), index.long(), src))
+    got = copy_rows.gather_rows_triton(src, index, poisoned(rows, dtype, width))
+    assert_bytes_equal(f"gather {name}", got, copy_rows.gather_rows_torch(src, index.long(), poisoned(rows, dtype, width)))
+    got = copy_rows.scatter_rows_triton(poisoned(rows, dtype, width), index, src)
+    assert_bytes_equal(f"scatter {name}", got, copy_rows.scatter_rows_torch(poisoned(rows, dtype, width), index.long(), src))
 
 
 @pytest.mark.parametrize("cp_size", [2, 3, 4, 8])
@@ -116,8 +115,8 @@ def test_store_owned_rows(seed, cp_size, kind, dtype, width):
     rows = random_rows(tokens, dtype, width)
     shard_rows = pages // cp_size * PAGE
     for rank in (0, cp_size - 1):
-        got = tk.store_owned_rows(poisoned(shard_rows, dtype, width), slots.int(), rows, rank, cp_size, PAGE)
-        want = ref.store_owned_rows(poisoned(shard_rows, dtype, width), slots, rows, rank, cp_size, PAGE)
+        got = copy_rows.store_owned_rows_triton(poisoned(shard_rows, dtype, width), slots.int(), rows, rank, cp_size, PAGE)
+        want = copy_rows.store_owned_rows_torch(poisoned(shard_rows, dtype, width), slots, rows, rank, cp_size, PAGE)
         assert_bytes_equal(f"store {kind} {cp_size=} {rank=} {seed=}", got, want)
 
 
@@ -132,7 +131,7 @@ def test_store_owned_mla_fp8(fp8_store, seed, cp_size, tokens):
     shard_rows = pages // cp_size * PAGE
     for rank in (0, cp_size - 1):
         got = fp8_store(poisoned(shard_rows, torch.uint8, 656), slots, kv, rank, cp_size, PAGE)
-        want = ref.store_owned_mla_fp8(poisoned(shard_rows, torch.uint8, 656), slots, kv, rank, cp_size, PAGE)
+        want = mla_fp8_store.store_owned_mla_fp8_torch(poisoned(shard_rows, torch.uint8, 656), slots, kv, rank, cp_size, PAGE)
         assert_bytes_equal(f"fp8 store {cp_size=} {tokens=} {rank=} {seed=}", got, want)
 
 
@@ -140,7 +139,7 @@ def test_fp8_rounding_of_every_bf16_value(fp8_store):
     kv = every_bf16_block_value().to(DEV)
     slots = torch.arange(kv.shape[0], device=DEV)
     got = fp8_store(poisoned(kv.shape[0], torch.uint8, 656), slots, kv, 0, 1, PAGE)
-    assert_bytes_equal("fp8 rounding of every bf16 value in [2**-12, 448]", got, ref.quantize_mla_fp8(kv))
+    assert_bytes_equal("fp8 rounding of every bf16 value in [2**-12, 448]", got, formats.quantize_mla_fp8(kv))
 
 
 def every_scale_and_value_rows(amax_bits: torch.Tensor) -> torch.Tensor:
@@ -169,7 +168,7 @@ def test_fp8_division_of_every_bf16_value_by_every_scale(fp8_store):
         kv = every_scale_and_value_rows(amax_bits)
         slots = torch.arange(kv.shape[0], device=DEV)
         got = fp8_store(poisoned(kv.shape[0], torch.uint8, 656), slots, kv, 0, 1, PAGE)
-        assert_bytes_equal(f"fp8 codes for bf16 amax bits {first:#x}..", got, ref.quantize_mla_fp8(kv))
+        assert_bytes_equal(f"fp8 codes for bf16 amax bits {first:#x}..", got, formats.quantize_mla_fp8(kv))
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 8])
@@ -181,17 +180,17 @@ def test_store_owned_index_k(seed, cp_size):
     key = random_rows(tokens, torch.uint8, 128)
     scale = torch.rand(tokens, device=DEV) * 10
     for rank in (0, cp_size - 1):
-        got = tk.store_owned_index_k(
+        got = index_k_store.store_owned_index_k_triton(
             poisoned(pages // cp_size, torch.uint8, PAGE * 132), slots, key, scale, rank, cp_size, PAGE
         )
-        want = ref.store_owned_index_k(
+        want = index_k_store.store_owned_index_k_torch(
             poisoned(pages // cp_size, torch.uint8, PAGE * 132), slots, key, scale, rank, cp_size, PAGE
         )
         name = f"index-K store {cp_size=} {rank=} {seed=}"
         assert_bytes_equal(name, got, want)
-        rows = ref.owned_physical_rows(slots, rank, cp_size, PAGE)
+        rows = formats.owned_physical_rows(slots, rank, cp_size, PAGE)
         mine = rows >= 0
-        back_key, back_scale = ref.read_index_k(got, rows[mine], PAGE)
+        back_key, back_scale = formats.read_index_k(got, rows[mine], PAGE)
         assert torch.equal(back_key, key[mine]) and torch.equal(back_scale, scale[mine]), name
 
 
@@ -203,10 +202,10 @@ def test_offsets_past_2_31(seed):
     tail = src[-64:]
     tail.copy_(random_rows(64, torch.uint8, width))
     index = torch.arange(rows - 64, rows, device=DEV).flip(0)
-    got = tk.gather_rows(src, index, poisoned(64, torch.uint8, width))
+    got = copy_rows.gather_rows_triton(src, index, poisoned(64, torch.uint8, width))
     assert_bytes_equal(f"gather past 2**31 bytes {seed=}", got, tail.flip(0))
     out = poisoned(rows, torch.uint8, width)
-    tk.scatter_rows(out, index, got)
+    copy_rows.scatter_rows_triton(out, index, got)
     assert_bytes_equal(f"scatter past 2**31 bytes {seed=}", out[-64:], tail)
 
 
@@ -221,11 +220,11 @@ def test_cuda_fp8_store_refuses_bad_input_before_launching():
     kv = torch.zeros(4, 576, dtype=torch.bfloat16, device=DEV)
     shard = torch.zeros(4, 656, dtype=torch.uint8, device=DEV)
     with pytest.raises(TypeError, match="kv must be bf16"):
-        cuda_fp8_store.store_owned_mla_fp8(shard, torch.arange(4, device=DEV), kv.float(), 0, 1, PAGE)
+        mla_fp8_store.store_owned_mla_fp8_cuda(shard, torch.arange(4, device=DEV), kv.float(), 0, 1, PAGE)
     with pytest.raises(ValueError, match="slots must be 1-D with 4 entries"):
-        cuda_fp8_store.store_owned_mla_fp8(shard, torch.arange(3, device=DEV), kv, 0, 1, PAGE)
+        mla_fp8_store.store_owned_mla_fp8_cuda(shard, torch.arange(3, device=DEV), kv, 0, 1, PAGE)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
-        cuda_fp8_store.store_owned_mla_fp8(shard.cpu(), torch.arange(4), kv.cpu(), 0, 1, PAGE)
+        mla_fp8_store.store_owned_mla_fp8_cuda(shard.cpu(), torch.arange(4), kv.cpu(), 0, 1, PAGE)
 
 
 if __name__ == "__main__":

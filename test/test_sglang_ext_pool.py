@@ -77,7 +77,7 @@ def test_derive_pool_sizes_hook_scales_the_logical_capacity():
     from sglang.srt.runtime_context import get_parallel
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from sglang_nsa_cp.sglang_ext.environ import envs
+    from sglang_nsa_cp.envs import envs
     from sglang_nsa_cp.sglang_ext.mem_cache.kv_cache_configurator import derive_pool_sizes
 
     sizes = _PoolSizes(
@@ -121,7 +121,7 @@ def test_build_dsa_kv_pool_hook_builds_the_shared_pool_for_this_cp_rank(kv):
     from sglang.srt.runtime_context import get_parallel
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from sglang_nsa_cp.sglang_ext.environ import envs
+    from sglang_nsa_cp.envs import envs
     from sglang_nsa_cp.sglang_ext.mem_cache.kv_cache_configurator import build_dsa_kv_pool, scratch_bytes
     from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import SharedKVDSATokenToKVPool
 
@@ -162,7 +162,7 @@ def test_scratch_is_charged_against_the_kv_budget(kv):
     pool; the hook adds the shared pool's two dense views (bf16 or fp8 latent + index pages)."""
     from sglang.srt.runtime_context import get_parallel
 
-    from sglang_nsa_cp.sglang_ext.environ import envs
+    from sglang_nsa_cp.envs import envs
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     from sglang_nsa_cp.sglang_ext.mem_cache.kv_cache_configurator import scratch_bytes

@@ -213,7 +213,7 @@ def _run_scenario(rank, n, group, seed, prefetch, kv="bf16"):
         sglang_cpu_stand_ins.install_fp8_kv_stand_ins()  # its torch twin, in both pools (sglang_cpu_forward.md)
     size = 24 * PAGE
     cp_base.init_cp_strategy(enable_prefill_cp=True, cp_size=n, cp_strategy="interleave")
-    from sglang_nsa_cp.sglang_ext.environ import envs
+    from sglang_nsa_cp.envs import envs
 
     with _no_dcp(), get_parallel().override(attn_cp_rank=rank, attn_cp_size=n, enable_cp_tp_group_sharing=False):
         ref = DSATokenToKVPool(**_pool_kwargs(size, kv))
@@ -298,7 +298,7 @@ def _check_tail_gather(rank, n, group):
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
     from sglang.srt.runtime_context import get_parallel
 
-    from sglang_nsa_cp.sglang_ext.environ import envs
+    from sglang_nsa_cp.envs import envs
 
     cp_base.init_cp_strategy(enable_prefill_cp=True, cp_size=n, cp_strategy="interleave")
     coordinator = _GlooCoordinator(group, n, rank)

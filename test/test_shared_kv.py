@@ -3,6 +3,7 @@ dense plan, materialize with and without prefetch, and current reuse. The oracle
 replicated store (today's SGLang pool) fed the same writes: every dense view must equal it bit for
 bit at every logical slot of the batch."""
 
+import os
 import random
 import sys
 
@@ -14,6 +15,7 @@ from sglang_nsa_cp import kernels
 from sglang_nsa_cp.comm import all_gather_rerange, run_ranks
 from sglang_nsa_cp.layout import OutOfPages, OwnerClassedAllocator, RequestPageTable, page_owner
 from sglang_nsa_cp.comm import TrafficCounter
+from sglang_nsa_cp.envs import envs
 from sglang_nsa_cp.shared_kv import (
     HistoryPrefetcher,
     KVStore,
@@ -70,7 +72,7 @@ def _plan(batch, store, rank):
 
 
 def _check_materialize_matches_replicated(rank, world, group, mode, page_size, fp8, prefetch, seed):
-    debug.ENABLED = True  # ownership and coverage checked on every call in this test
+    os.environ[envs.SGLANG_NSA_CP_DEBUG.name] = "1"  # this rank process: ownership and coverage checked on every call
     latent_dim = 576 if fp8 else 48
     num_pages = 96 * world
     table = RequestPageTable(OwnerClassedAllocator(num_pages, world), page_size)

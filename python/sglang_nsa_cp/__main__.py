@@ -21,6 +21,7 @@ import os
 import sys
 import time
 
+from sglang_nsa_cp.cli import format_table
 from sglang_nsa_cp.demo_options import DemoOptions, UsageError, add_demo_arguments, check_demo_args
 
 
@@ -37,11 +38,6 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the three prefill paths on CPU ranks and check the oracle")
     add_demo_arguments(demo)
     return parser
-
-
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
 def _print_report(report: dict) -> None:
@@ -64,7 +60,7 @@ def _print_report(report: dict) -> None:
             str(max(p["kv_bytes_per_rank"])),
             f"{p['seconds']:.1f}",
         ])
-    print(_table(rows))
+    print(format_table(rows))
     held = ", ".join(str(n) for n in paths["shared"]["held_pages_per_rank"])
     print(f"(per rank; CP rows show the busiest rank. Shared pages held by ranks 0..{s['cp_size'] - 1}: {held})")
     print()
@@ -72,7 +68,7 @@ def _print_report(report: dict) -> None:
     rows = [["bytes moved per collective kind", "replicated", "shared"]]
     for kind in kinds:
         rows.append([kind] + [str(paths[p]["bytes_moved"].get(kind, {}).get("bytes", 0)) for p in ("replicated", "shared")])
-    print(_table(rows))
+    print(format_table(rows))
     print()
     print(
         f"shared KV held per rank = {kv['held_ratio']:.3f} x replicated "
@@ -98,7 +94,7 @@ def _print_pd_report(pd: dict) -> None:
     base = pd["rank0_sends_all"]
     rows.append(["rank 0 alone, all pages (SGLang default)", str(base["bytes"] // pd["bytes_per_page"]),
                  str(base["bytes"]), str(base["transfers"]), "-"])
-    print(_table(rows))
+    print(format_table(rows))
     busiest = max(pd["bytes_per_rank"])
     print(f"busiest rank sends {busiest / base['bytes']:.3f} x rank 0 alone (1/N = {1 / n:.3f}); "
           f"transfers issued in all: {pd['transfers_issued']}")

@@ -16,6 +16,7 @@ import os
 import shlex
 from dataclasses import dataclass
 
+from sglang_nsa_cp.cli import parse_comma_list
 from sglang_nsa_cp.oracle import DTYPES, PATH_SPLIT_MODES
 from sglang_nsa_cp.pd import DEFAULT_DECODE_STEPS
 from sglang_nsa_cp.reference.config import CONFIGS
@@ -108,17 +109,10 @@ def _choice(option: str, value: str, choices, what: str) -> str:
 
 
 def _int_list(option: str, value: str, low: int, what: str, example: str) -> list[int]:
-    rule = f"must be comma-separated integers >= {low} ({what}), e.g. {example}"
-    items = value.split(",")
-    for i, item in enumerate(items, 1):
-        try:
-            n = int(item.strip())
-        except ValueError:
-            why = "is empty" if not item.strip() else f"{_show(item)} is not an integer"
-            raise UsageError(f"{option} {_show(value)}: item {i} {why}; {rule}") from None
-        if n < low:
-            raise UsageError(f"{option} {_show(value)}: item {i} is {n}; {rule}")
-    return [int(item) for item in items]
+    try:
+        return parse_comma_list(value, low=low)
+    except ValueError as exc:
+        raise UsageError(f"{option} {_show(value)}: {exc} ({what}), e.g. {example}") from None
 
 
 def _lengths(args: argparse.Namespace) -> tuple[list[int], list[int]]:

@@ -1,24 +1,38 @@
-"""Run a function on N local ranks joined by a torch.distributed group, and never hang.
+"""The one local rank launcher (tests, benchmarks, the demo): `run_ranks` calls the same
+`fn(rank, world_size, group, *args)` on N spawned processes joined by a torch.distributed group,
+and never hangs.
 
-Used by the demo and the multi-process tests: every rank reports its result or its traceback,
-the parent waits with a deadline, and a failure names the rank that failed instead of leaving
-the others blocked in a collective.
+    parent ── spawn ──> rank 0 ─┐
+           ── spawn ──> rank 1 ─┼─ results queue: ("ok", result) or ("error", traceback)
+           ── spawn ──> rank 2 ─┘   + a stack file per rank (faulthandler)
+    first "error" or dead rank   -> stop every rank, raise with that rank's traceback
+    deadline passed              -> SIGUSR1 to every live rank (faulthandler dumps all its
+                                    threads' stacks), raise naming each rank and its stack
+
+One `RankFailure` carries a "rank r/N failed:" block per rank that failed, died or timed out.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import queue
+import signal
 import socket
+import tempfile
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+POLL_S = 0.2
+STACK_DUMP_WAIT_S = 2.0  # how long a signalled rank gets to write its stacks
 
 
 class RankFailure(RuntimeError):
@@ -31,7 +45,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, backend, timeout_s, fn, args, results):
+def _worker(rank, world_size, port, backend, timeout_s, stack_path, fn, args, results):
+    # Kept open for the process's life: faulthandler writes to its descriptor on a crash
+    # (SIGSEGV, SIGABRT, ...) and on SIGUSR1, which the parent sends past the deadline.
+    stack_file = open(stack_path, "w")  # noqa: SIM115
+    faulthandler.enable(file=stack_file, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     try:
         torch.set_num_threads(1)
         if backend == "nccl":
@@ -54,6 +73,49 @@ def _worker(rank, world_size, port, backend, timeout_s, fn, args, results):
             dist.destroy_process_group()
 
 
+def _start(procs) -> None:
+    """Start the ranks with OMP_NUM_THREADS=1 (N ranks share this machine's cores)."""
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
+def _dump_stacks(procs, ranks: list[int], stack_paths: list[Path]) -> dict[int, str]:
+    """Ask each of `ranks` still alive for its threads' stacks; what each wrote."""
+    for r in ranks:
+        if procs[r].is_alive():
+            os.kill(procs[r].pid, signal.SIGUSR1)
+    time.sleep(STACK_DUMP_WAIT_S)
+    return {r: stack_paths[r].read_text().strip() or "(no stack written)" for r in ranks}
+
+
+def _collect_dead(procs, outcomes: dict, stack_paths: list[Path]) -> list[int]:
+    """Record, as failed, each rank that exited with an error without reporting one."""
+    dead = [r for r, p in enumerate(procs) if r not in outcomes and p.exitcode not in (None, 0)]
+    for r in dead:
+        stack = stack_paths[r].read_text().strip()
+        outcomes[r] = ("error", f"process exited with code {procs[r].exitcode}\n{stack}".strip())
+    return dead
+
+
+def _stop(procs, finished: bool) -> None:
+    for p in procs:
+        p.join(timeout=5 if finished else 0.5)
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -64,58 +126,57 @@ def run_ranks(
     """Call `fn(rank, world_size, group, *args)` on `world_size` spawned processes.
 
     Returns the per-rank results in rank order. `fn` and its results must be picklable.
-    Raises RankFailure naming every rank that raised, died or missed the deadline.
+    The first rank to raise or die stops every rank; past `timeout_s` every live rank's stack
+    is dumped. Raises RankFailure with a "rank r/N failed:" block (traceback or stack) per rank.
     """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, backend, timeout_s, fn, args, results), daemon=True)
-        for r in range(world_size)
-    ]
-    env_threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if env_threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = env_threads
+    with tempfile.TemporaryDirectory(prefix="run_ranks_") as tmp:
+        stack_paths = [Path(tmp) / f"rank{r}.stack" for r in range(world_size)]
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, port, backend, timeout_s, str(stack_paths[r]), fn, args, results),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        _start(procs)
+        outcomes: dict[int, tuple[str, Any]] = {}  # rank -> ("ok", result) | ("error", text)
+        timed_out: dict[int, str] = {}
+        deadline = time.monotonic() + timeout_s
+        try:
+            while len(outcomes) < world_size:
+                try:
+                    rank, status, value = results.get(timeout=POLL_S)
+                except queue.Empty:
+                    if _collect_dead(procs, outcomes, stack_paths):
+                        break  # a dead rank leaves the others blocked in a collective
+                    if time.monotonic() > deadline:
+                        late = [r for r in range(world_size) if r not in outcomes]
+                        timed_out = _dump_stacks(procs, late, stack_paths)
+                        break
+                    continue
+                outcomes[rank] = (status, pickle.loads(value) if status == "ok" else value)
+                if status == "error":
+                    # The others are likely blocked in a collective: stop them. A rank that died
+                    # first (its peers' collectives then fail) is the cause: name it too.
+                    time.sleep(POLL_S)
+                    _collect_dead(procs, outcomes, stack_paths)
+                    break
+        finally:
+            _stop(procs, finished=len(outcomes) == world_size)
 
-    outcomes: dict[int, tuple[str, Any]] = {}
-    stopped_early = False
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(outcomes) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                rank, status, value = results.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in outcomes and p.exitcode not in (None, 0)]
-                for r in dead:
-                    outcomes[r] = ("error", f"process exited with code {procs[r].exitcode}")
-                continue
-            outcomes[rank] = (status, pickle.loads(value) if status == "ok" else value)
-            if status == "error":
-                stopped_early = True
-                break  # the others are likely blocked in a collective; stop waiting for them
-    finally:
-        for p in procs:
-            p.join(timeout=5 if len(outcomes) == world_size else 0.5)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-
-    failed = {r: v for r, (s, v) in outcomes.items() if s == "error"}
-    missing = [r for r in range(world_size) if r not in outcomes]
-    if failed or missing:
-        lines = [f"rank {r} failed:\n{tb}" for r, tb in sorted(failed.items())]
-        if missing:
-            why = "were stopped after a failure" if stopped_early else f"did not finish within {timeout_s:.0f} s"
-            lines.append(f"ranks {missing} {why}")
-        raise RankFailure("\n".join(lines))
-    return [outcomes[r][1] for r in range(world_size)]
+    failed = {r: text for r, (status, text) in outcomes.items() if status == "error"}
+    if not failed and not timed_out and len(outcomes) == world_size:
+        return [outcomes[r][1] for r in range(world_size)]
+    n = world_size
+    blocks = [f"rank {r}/{n} failed:\n{text}" for r, text in sorted(failed.items())]
+    blocks += [f"rank {r}/{n} failed: did not finish within {timeout_s:.0f} s; its stacks:\n{s}" for r, s in sorted(timed_out.items())]
+    stopped = [r for r in range(n) if r not in outcomes and r not in timed_out]
+    if stopped:
+        blocks.append(f"ranks {stopped} of {n} were stopped after the failure above")
+    raise RankFailure("\n".join(blocks))

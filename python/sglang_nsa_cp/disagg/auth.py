@@ -1,7 +1,7 @@
 """The shared secret of a PD deployment and the keyed MACs built on it (HMAC-SHA256).
 
-Both PD paths read one secret from the environment, `SGLANG_NSA_CP_PD_SECRET` (declared here, the
-one place the core reads it; the SGLang plugin imports `pd_secret` from this module):
+Both PD paths read one secret from the environment, `SGLANG_NSA_CP_PD_SECRET` (declared in `envs.py`, read
+here only; the SGLang plugin imports `pd_secret` from this module):
 
     standalone protocol (protocol.py)           SGLang plugin (sglang_ext/disaggregation/)
     hello {client nonce}             ->          the manifest frame of every Success status
@@ -20,36 +20,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
+
+from sglang_nsa_cp.envs import MIN_SECRET_BYTES, envs
 
 logger = logging.getLogger(__name__)
 
 MAC_BYTES = 32  # HMAC-SHA256
-MIN_SECRET_BYTES = 16
 FROM_ENV = "from-env"  # default of every `secret=` argument: read SGLANG_NSA_CP_PD_SECRET
-
-
-class EnvSecret:
-    """A secret env var read with `.get()`: bytes of the value, or None when unset or empty."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def get(self) -> bytes | None:
-        value = os.environ.get(self.name, "")
-        if not value:
-            return None
-        secret = value.encode()
-        if len(secret) < MIN_SECRET_BYTES:
-            raise ValueError(
-                f"{self.name} is {len(secret)} bytes long; it must be at least {MIN_SECRET_BYTES} "
-                "(e.g. the output of `python -c 'import secrets; print(secrets.token_hex(32))'`), "
-                "the same on the decode and on every prefill rank"
-            )
-        return secret
-
-
-SGLANG_NSA_CP_PD_SECRET = EnvSecret("SGLANG_NSA_CP_PD_SECRET")
+SGLANG_NSA_CP_PD_SECRET = envs.SGLANG_NSA_CP_PD_SECRET
 
 _warned = False
 

@@ -1,16 +1,20 @@
 """Kernels of the shared-KV path, and the one place that picks their implementation.
 
-Each public function below has the signature and semantics of its plain-torch reference in
-`reference.py`; `triton_kernels.py` holds the Triton version of each, `cuda_fp8_store.py` a CUDA
-version of the fp8 store (faster on GPUs, built on first use).
+Each op lives in one module with its Triton kernel and launcher (`<op>_triton`), its torch
+reference (`<op>_torch`, the semantics) and the named input checks both run:
+`copy_rows.py` (gather_rows, scatter_rows, store_owned_rows), `mla_fp8_store.py`
+(store_owned_mla_fp8, plus a CUDA kernel, `<op>_cuda`, built on first use) and
+`index_k_store.py` (store_owned_index_k). Row formats and their constants: `formats.py`.
 
-Dispatch rule, per call, from the tensors' device and `SGLANG_NSA_CP_KERNELS`:
+Dispatch rule, from the tensors' device and `SGLANG_NSA_CP_KERNELS` (read on first use):
 - `auto` (default): for CUDA tensors the CUDA kernel where an op has one and it builds (else,
-  with one warning, Triton), Triton for the other ops when triton imports; the reference
-  otherwise. CPU
-  tensors use the reference even under TRITON_INTERPRET=1 (the interpreter is far too slow for
-  real work; tests call `triton_kernels` directly). If a Triton launch fails (compilation,
-  resources, driver), the op warns once and uses the reference from then on.
+  with one warning, Triton), Triton for the other ops; the reference for CPU tensors, even under
+  TRITON_INTERPRET=1 (the interpreter is far too slow for real work; tests call the `_triton`
+  launchers directly). It falls back to the reference only for named reasons, warning once per
+  op: Triton does not import; the input's layout is one the kernel cannot take (strided or
+  misaligned rows: `KernelUnsupported`, that call only); the Triton kernel does not compile for
+  this device (`TritonError`, from then on). Every other error, a CUDA illegal address
+  included, is raised.
 - `triton`: always Triton; failures raise.
 - `torch`: always the reference.
 Input errors (shapes, dtypes, devices) raise ValueError/TypeError in every mode.
@@ -19,19 +23,16 @@ Input errors (shapes, dtypes, devices) raise ValueError/TypeError in every mode.
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from types import ModuleType
 
 import torch
 
-from sglang_nsa_cp.kernels import reference
-from sglang_nsa_cp.kernels.reference import (
-    dequantize_mla_fp8,
-    owned_physical_rows,
-    quantize_mla_fp8,
-    read_index_k,
-)
+from sglang_nsa_cp.envs import envs
+from sglang_nsa_cp.kernels import copy_rows, index_k_store, mla_fp8_store
+from sglang_nsa_cp.kernels.checks import KernelUnsupported
+from sglang_nsa_cp.kernels.formats import dequantize_mla_fp8, owned_physical_rows, quantize_mla_fp8, read_index_k
+from sglang_nsa_cp.kernels.triton_common import TRITON_IMPORT_ERROR, NoTriton, TritonError
 
 __all__ = [
     "gather_rows",
@@ -47,42 +48,36 @@ __all__ = [
     "implementation",
 ]
 
-# TODO(lead): declare in sglang_nsa_cp/envs.py once that registry exists (STYLE.md 13).
-KERNELS_ENV = "SGLANG_NSA_CP_KERNELS"
-KERNEL_MODES = ("auto", "triton", "torch")
+KERNELS_ENV = envs.SGLANG_NSA_CP_KERNELS.name
+KERNEL_MODES = envs.SGLANG_NSA_CP_KERNELS.choices
 
-_failed: set[str] = set()  # ops whose Triton launch failed in auto mode
-_CUDA_OPS = ("store_owned_mla_fp8",)  # ops with a CUDA kernel (cuda_fp8_store.py)
+# op -> the module holding its `<op>_torch`, `<op>_triton` (and `<op>_cuda`, `build_cuda`)
+OP_MODULES: dict[str, ModuleType] = {
+    "gather_rows": copy_rows,
+    "scatter_rows": copy_rows,
+    "store_owned_rows": copy_rows,
+    "store_owned_mla_fp8": mla_fp8_store,
+    "store_owned_index_k": index_k_store,
+}
+_CUDA_OPS = ("store_owned_mla_fp8",)  # ops with a CUDA kernel
+_failed: set[str] = set()  # ops whose Triton kernel does not compile here (auto mode)
 _cuda_unbuildable: dict[str, str] = {}  # op -> why its CUDA kernel could not be built
+_warned_unsupported: set[str] = set()
 
 
 @functools.cache
 def kernel_mode() -> str:
-    """The value of SGLANG_NSA_CP_KERNELS (cached; `kernel_mode.cache_clear()` re-reads it)."""
-    mode = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
-    if mode not in KERNEL_MODES:
-        raise ValueError(f"{KERNELS_ENV}={mode!r}; expected one of {KERNEL_MODES}")
-    return mode
-
-
-@functools.cache
-def _triton_kernels() -> ModuleType | ImportError:
-    try:
-        from sglang_nsa_cp.kernels import triton_kernels
-    except ImportError as exc:
-        return exc
-    return triton_kernels
+    """SGLANG_NSA_CP_KERNELS, read on first use (`kernel_mode.cache_clear()` re-reads it)."""
+    return envs.SGLANG_NSA_CP_KERNELS.get()
 
 
 def _cuda_kernel_builds(op: str, device: torch.device) -> bool:
     """Whether `op` has a CUDA kernel that builds for `device`; warns once when it does not."""
     if op not in _CUDA_OPS or op in _cuda_unbuildable:
         return False
-    from sglang_nsa_cp.kernels import cuda_fp8_store
-
     try:
-        cuda_fp8_store.build(device)
-    except Exception as exc:  # noqa: BLE001 - any build failure (no nvcc or ninja, compiler error) falls back
+        OP_MODULES[op].build_cuda(device)
+    except mla_fp8_store.CUDA_BUILD_ERRORS as exc:
         _cuda_unbuildable[op] = f"{type(exc).__name__}: {exc}"
         warnings.warn(
             f"sglang_nsa_cp.kernels.{op}: its CUDA kernel could not be built ({_cuda_unbuildable[op]}); "
@@ -101,52 +96,47 @@ def implementation(op: str, device: torch.device) -> str:
         return "torch"
     if mode == "auto" and _cuda_kernel_builds(op, device):
         return "cuda"
-    module = _triton_kernels()
-    if isinstance(module, ImportError):
+    if TRITON_IMPORT_ERROR is not None:
         if mode == "triton":
-            raise RuntimeError(
-                f"{KERNELS_ENV}=triton but triton does not import ({module}); install triton or use auto"
-            )
+            raise NoTriton(f"{KERNELS_ENV}=triton but triton does not import ({TRITON_IMPORT_ERROR}); install triton or use auto")
         return "torch"
     return "triton"
 
 
+def _fallback_warning(op: str, why: str, when: str) -> None:
+    warnings.warn(
+        f"sglang_nsa_cp.kernels.{op}: {why}; using the torch reference {when}. Set {KERNELS_ENV}=torch "
+        f"to choose it explicitly, or {KERNELS_ENV}=triton to make this an error.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
 def _run(op: str, device: torch.device, *args):
     impl = implementation(op, device)
-    if impl == "torch":
-        return getattr(reference, op)(*args)
-    if impl == "cuda":
-        from sglang_nsa_cp.kernels import cuda_fp8_store
-
-        return getattr(cuda_fp8_store, op)(*args)
-    triton_impl = getattr(_triton_kernels(), op)
-    if kernel_mode() == "triton":
-        return triton_impl(*args)
-    from triton.errors import TritonError
-
+    module = OP_MODULES[op]
+    kernel = getattr(module, f"{op}_{impl}")
+    if impl == "torch" or kernel_mode() == "triton":
+        return kernel(*args)
     try:
-        return triton_impl(*args)
-    # Triton reports a missing C compiler or a driver failure as RuntimeError; bad input
-    # (ValueError, TypeError) and out-of-memory are the caller's to see.
-    except (TritonError, RuntimeError) as exc:
-        if isinstance(exc, torch.OutOfMemoryError):
+        return kernel(*args)
+    except KernelUnsupported as exc:
+        if op not in _warned_unsupported:
+            _warned_unsupported.add(op)
+            _fallback_warning(op, f"the {impl} kernel cannot take this input ({exc})", "for such inputs")
+    except TritonError as exc:
+        if impl != "triton":
             raise
         _failed.add(op)
-        warnings.warn(
-            f"sglang_nsa_cp.kernels.{op}: the Triton kernel failed ({type(exc).__name__}: {exc}); "
-            f"using the torch reference from now on. Set {KERNELS_ENV}=torch to choose it "
-            f"explicitly, or {KERNELS_ENV}=triton to make this an error.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return getattr(reference, op)(*args)
+        _fallback_warning(op, f"the Triton kernel failed ({type(exc).__name__}: {exc})", "from now on")
+    return getattr(module, f"{op}_torch")(*args)
 
 
 def gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out[i] = src[index[i]] for every i with index[i] >= 0; other rows of `out` untouched.
 
-    src [S, W], out [N, W] of one dtype; index [N] int32/int64. Materialize, packing owned
-    pages for the all-gather, and rerange are all this.
+    src [S, W], out [N, W] of one dtype (rows are copied as bytes); index [N] int32/int64.
+    Materialize, packing owned pages for the all-gather, and rerange are all this.
     """
     return _run("gather_rows", out.device, src, index, out)
 
@@ -174,7 +164,7 @@ def store_owned_mla_fp8(
     shard: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, rank: int, cp_size: int, page_size: int
 ) -> torch.Tensor:
     """Fused quantize + store of owned bf16 latent rows kv [T, 576] into uint8 [R, 656]
-    FlashMLA fp8 rows (see `quantize_mla_fp8`)."""
+    FlashMLA fp8 rows (`quantize_mla_fp8`, bitwise in every implementation); slots [T]."""
     return _run("store_owned_mla_fp8", shard.device, shard, slots, kv, rank, cp_size, page_size)
 
 
@@ -187,6 +177,7 @@ def store_owned_index_k(
     cp_size: int,
     page_size: int,
 ) -> torch.Tensor:
-    """Write owned fp8 index keys (uint8 [T, 128]) and fp32 scales ([T]) into SGLang's index-K
-    pages (uint8 [local_pages, page_size * 132]: page_size keys, then page_size scales)."""
+    """Write owned fp8 index keys (uint8 [T, 128]) and scales ([T], stored as fp32) into
+    SGLang's index-K pages (uint8 [local_pages, page_size * 132]: page_size keys, then
+    page_size scales); slots [T]."""
     return _run("store_owned_index_k", pages.device, pages, slots, key, scale, rank, cp_size, page_size)

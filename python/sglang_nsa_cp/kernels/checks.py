@@ -1,18 +1,24 @@
-"""Input checks of the kernels' launchers, shared by the Triton and CUDA versions: each names
-the argument, what it must be and what it is."""
+"""Named input checks shared by the ops' kernels and references: each names the argument, what it
+must be and what it is. Bad input raises ValueError/TypeError in every implementation; a layout
+only the kernels cannot take (strided rows, misaligned starts) raises `KernelUnsupported`."""
 
 from __future__ import annotations
 
 import torch
 
-from sglang_nsa_cp.kernels.reference import MLA_FP8_ROW_BYTES, MLA_NOPE_DIM, MLA_ROPE_DIM
+
+class KernelUnsupported(ValueError):
+    """Valid input the kernel cannot take (a named reason for the dispatcher to use the reference)."""
 
 
 def check_rows(name: str, t: torch.Tensor) -> None:
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D (rows x row elements), got shape {tuple(t.shape)}")
+
+
+def check_contiguous_rows(name: str, t: torch.Tensor) -> None:
     if t.shape[1] > 1 and t.stride(1) != 1:
-        raise ValueError(f"{name} needs contiguous rows (stride(1) == 1), got strides {t.stride()}")
+        raise KernelUnsupported(f"{name} needs contiguous rows (stride(1) == 1), got strides {t.stride()}")
 
 
 def check_index(name: str, index: torch.Tensor, rows: int, device: torch.device) -> None:
@@ -40,20 +46,7 @@ def check_owner_args(cp_size: int, page_size: int, rank: int) -> None:
         )
 
 
-def check_mla_fp8_store(
-    shard: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, rank: int, cp_size: int, page_size: int
-) -> None:
-    """Arguments of store_owned_mla_fp8: bf16 [T, 576] rows with 16-byte aligned starts, a
-    contiguous 16-byte aligned uint8 [R, 656] shard on the same device."""
-    check_rows("kv", kv)
-    check_rows("shard", shard)
-    if kv.dtype != torch.bfloat16 or kv.shape[1] != MLA_NOPE_DIM + MLA_ROPE_DIM:
-        raise TypeError(f"kv must be bf16 [T, {MLA_NOPE_DIM + MLA_ROPE_DIM}], got {kv.dtype} {tuple(kv.shape)}")
-    if shard.dtype != torch.uint8 or shard.shape[1] != MLA_FP8_ROW_BYTES:
-        raise TypeError(f"shard must be uint8 [R, {MLA_FP8_ROW_BYTES}], got {shard.dtype} {tuple(shard.shape)}")
-    if shard.stride(0) != MLA_FP8_ROW_BYTES or shard.data_ptr() % 16 or kv.stride(0) % 8 or kv.data_ptr() % 16:
-        raise ValueError("store_owned_mla_fp8 needs a contiguous 16-byte aligned shard and 16-byte aligned kv rows")
-    if shard.device != kv.device:
-        raise ValueError(f"kv is on {kv.device} but shard is on {shard.device}")
-    check_index("slots", slots, kv.shape[0], kv.device)
-    check_owner_args(cp_size, page_size, rank)
+def check_aligned(op: str, what: str, *, bytes_: int, offsets: tuple[int, ...]) -> None:
+    """Every byte offset (base address, row stride in bytes) a multiple of `bytes_`."""
+    if any(n % bytes_ for n in offsets):
+        raise KernelUnsupported(f"{op}'s kernel needs {what} ({bytes_}-byte aligned), got byte offsets {offsets}")

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-INDEX_HEAD_DIM = 128  # index keys are stored as 128 fp8 bytes per token (+ one fp32 scale)
+from sglang_nsa_cp.kernels.formats import INDEX_HEAD_DIM
 
 # HF architecture string -> HF model_type, for the two DSA families we serve.
 MODEL_TYPES = {"GlmMoeDsaForCausalLM": "glm_moe_dsa", "DeepseekV32ForCausalLM": "deepseek_v32"}

@@ -37,9 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import DSAConfig
+from sglang_nsa_cp.kernels.formats import FP8_MAX
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+from .config import DSAConfig
 DEFAULT_QUERY_CHUNK = 1024  # queries per indexer/attention step: bounds the [chunk, kv_len] buffers
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 
-from sglang_nsa_cp.sglang_ext.environ import envs
+from sglang_nsa_cp.envs import envs
 
 FLAG = "--enable-nsa-prefill-cp-shared-kv"
 REQUEST_ATTR = "_nsa_cp_shared_kv_requested"  # what the operator asked for (CLI)

@@ -1,17 +1,20 @@
 """Ownership and coverage checks, on when SGLANG_NSA_CP_DEBUG=1.
 
 They synchronise with the device and issue extra collectives, so they are for diagnosing, never
-for measuring. When off, callers test one module attribute and nothing else runs.
+for measuring. When off, callers read the variable once per batch and nothing else runs.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
-ENABLED = os.environ.get("SGLANG_NSA_CP_DEBUG", "0") not in ("", "0", "false", "False")
+from sglang_nsa_cp.envs import envs
+
+
+def enabled() -> bool:
+    """SGLANG_NSA_CP_DEBUG, read now (callers read it once per batch)."""
+    return envs.SGLANG_NSA_CP_DEBUG.get()
 
 
 class CoverageError(AssertionError):

@@ -194,6 +194,6 @@ def build_dense_plan(
         page_pos=page_pos,
     )
     assert plan.num_dense_pages == num_gathered + num_current_pages + 1 and send_pages.numel() == pages_per_rank
-    if debug.ENABLED:
+    if debug.enabled():
         debug.check_plan(plan, hist_pages, cur_pages)
     return plan

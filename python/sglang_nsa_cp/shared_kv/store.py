@@ -20,7 +20,7 @@ import math
 import torch
 
 from sglang_nsa_cp import kernels
-from sglang_nsa_cp.kernels.reference import INDEX_ROW_BYTES, MLA_FP8_ROW_BYTES, MLA_NOPE_DIM, MLA_ROPE_DIM
+from sglang_nsa_cp.kernels.formats import INDEX_ROW_BYTES, MLA_FP8_ROW_BYTES, MLA_NOPE_DIM, MLA_ROPE_DIM
 
 
 class KVStoreError(ValueError):

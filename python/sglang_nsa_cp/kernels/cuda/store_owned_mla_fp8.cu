@@ -1,6 +1,6 @@
 // Fused quantize + store of owned bf16 MLA latent rows into FlashMLA's 656-byte fp8 rows: the
-// CUDA version of triton_kernels.store_owned_mla_fp8, bitwise equal to
-// reference.store_owned_mla_fp8. Built on first use by kernels/cuda_fp8_store.py.
+// CUDA version of mla_fp8_store.store_owned_mla_fp8_triton, bitwise equal to
+// mla_fp8_store.store_owned_mla_fp8_torch. Built on first use by kernels/mla_fp8_store.py.
 //
 // One warp per token. Lane l holds values 16l..16l+15 of the 512 nope values (two 16-byte
 // loads), so 8 lanes make one 128-value block: amax by three shuffles, then 16 fp8 codes stored

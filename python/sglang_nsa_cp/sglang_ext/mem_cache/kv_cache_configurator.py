@@ -26,7 +26,7 @@ import functools
 import msgspec
 import torch
 
-from sglang_nsa_cp.kernels.reference import INDEX_ROW_BYTES, MLA_FP8_ROW_BYTES
+from sglang_nsa_cp.kernels.formats import INDEX_ROW_BYTES, MLA_FP8_ROW_BYTES
 from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import SharedKVDSATokenToKVPool, dense_scratch_pages
 from sglang_nsa_cp.sglang_ext.server_args import is_enabled
 

@@ -65,7 +65,7 @@ from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
 from sglang_nsa_cp import kernels
 from sglang_nsa_cp.comm import TrafficCounter
 from sglang_nsa_cp.shared_kv import DensePlan, HistoryPrefetcher, KVStore, LayerView, build_dense_plan, debug
-from sglang_nsa_cp.sglang_ext.environ import envs
+from sglang_nsa_cp.envs import envs
 
 logger = logging.getLogger(__name__)
 
@@ -272,7 +272,7 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
         pages and each has exactly one owner across the group (host reads and a collective).
         Off, nothing runs: the plan's builder already refused pages outside the pool, and a slot
         of SGLang's out_cache_loc is one of the pages its req_to_token (the plan's input) holds."""
-        if not debug.ENABLED or self._slots_checked:
+        if self._slots_checked or not debug.enabled():
             return
         self._slots_checked = True
         self.plan.check_slots(loc)

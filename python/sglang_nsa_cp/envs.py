@@ -1,0 +1,187 @@
+"""Every `SGLANG_NSA_CP_*` environment variable, declared once and typed (mirrors SGLang's
+`sglang/srt/environ.py`, whose own declarations are sealed once it is imported).
+
+Each variable is read when used, with `.get()`; truth-testing the variable itself raises, so a
+forgotten `.get()` cannot pass for "set". Tests change one with `.override(value)`.
+README.md's table of variables is `python -m sglang_nsa_cp.envs` (test/test_envs.py keeps them
+equal).
+
+    envs.SGLANG_NSA_CP_DEBUG.get()                    # False unless set to 1/true/yes/y
+    with envs.SGLANG_NSA_CP_KERNELS.override("torch"):
+        ...
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+_TRUE = ("true", "1", "yes", "y")
+_FALSE = ("false", "0", "no", "n")
+MIN_SECRET_BYTES = 16
+
+
+class EnvVar:
+    """One variable: its name, default and meaning; `parse` turns a set, non-empty value into
+    the typed value or raises ValueError naming the variable and the accepted values."""
+
+    type_name = "str"
+
+    def __init__(self, name: str, default, meaning: str):
+        self.name = name
+        self.default = default
+        self.meaning = meaning
+
+    def parse(self, value: str):
+        return value
+
+    def get(self):
+        value = os.environ.get(self.name, "").strip()
+        return self.default if value == "" else self.parse(value)
+
+    def is_set(self) -> bool:
+        return os.environ.get(self.name, "").strip() != ""
+
+    @contextmanager
+    def override(self, value):
+        """Set the variable to `value` (None: unset) inside the block, as a string the same
+        `.get()` reads back."""
+        saved = os.environ.get(self.name)
+        if value is None:
+            os.environ.pop(self.name, None)
+        else:
+            os.environ[self.name] = self.unparse(value)
+        try:
+            yield
+        finally:
+            if saved is None:
+                os.environ.pop(self.name, None)
+            else:
+                os.environ[self.name] = saved
+
+    def unparse(self, value) -> str:
+        return str(value)
+
+    def __bool__(self):
+        raise RuntimeError(f"use {self.name}.get(), not the variable itself")
+
+
+class EnvBool(EnvVar):
+    """SGLang's `EnvBool` spellings; anything else raises."""
+
+    type_name = "bool"
+
+    def parse(self, value: str) -> bool:
+        if value.lower() in _TRUE:
+            return True
+        if value.lower() in _FALSE:
+            return False
+        raise ValueError(f"{self.name}={value!r} is not a boolean; use one of {_TRUE + _FALSE}")
+
+    def unparse(self, value) -> str:
+        return "1" if value else "0"
+
+
+class EnvInt(EnvVar):
+    type_name = "int"
+
+    def parse(self, value: str) -> int:
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{self.name}={value!r} is not an integer") from None
+
+
+class EnvChoice(EnvVar):
+    """One of a fixed set of words, case-insensitive."""
+
+    def __init__(self, name: str, default: str, choices: tuple[str, ...], meaning: str):
+        super().__init__(name, default, meaning)
+        self.choices = choices
+        self.type_name = " \\| ".join(choices)
+
+    def parse(self, value: str) -> str:
+        if value.lower() not in self.choices:
+            raise ValueError(f"{self.name}={value!r}; expected one of {self.choices}")
+        return value.lower()
+
+
+class EnvSecret(EnvVar):
+    """Bytes of the value, or None when unset or empty; at least MIN_SECRET_BYTES long."""
+
+    type_name = "secret"
+
+    def get(self) -> bytes | None:
+        value = os.environ.get(self.name, "")  # not stripped: every byte of a secret counts
+        return self.parse(value) if value else None
+
+    def parse(self, value: str) -> bytes:
+        secret = value.encode()
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(
+                f"{self.name} is {len(secret)} bytes long; it must be at least {MIN_SECRET_BYTES} "
+                "(e.g. the output of `python -c 'import secrets; print(secrets.token_hex(32))'`), "
+                "the same on the decode and on every prefill rank"
+            )
+        return secret
+
+    def unparse(self, value) -> str:
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class NsaCpEnvs:
+    SGLANG_NSA_CP_SHARED_KV = EnvBool(
+        "SGLANG_NSA_CP_SHARED_KV",
+        False,
+        "Turn shared-KV prefill CP on, as `--enable-nsa-prefill-cp-shared-kv` does; for "
+        "`sglang.Engine(...)` users, whose keyword arguments cannot carry a flag SGLang does not declare.",
+    )
+    SGLANG_NSA_CP_PREFETCH = EnvBool(
+        "SGLANG_NSA_CP_PREFETCH",
+        True,
+        "One-layer-ahead history prefetch in the shared-KV pool. 0: each layer's history is "
+        "all-gathered when the layer is first written, on the writing stream (diagnosis only).",
+    )
+    SGLANG_NSA_CP_KERNELS = EnvChoice(
+        "SGLANG_NSA_CP_KERNELS",
+        "auto",
+        ("auto", "triton", "torch"),
+        "Kernel implementation: `auto` picks CUDA/Triton for CUDA tensors and the torch reference "
+        "otherwise; `triton` always Triton (failures raise); `torch` always the reference.",
+    )
+    SGLANG_NSA_CP_DEBUG = EnvBool(
+        "SGLANG_NSA_CP_DEBUG",
+        False,
+        "Ownership and coverage checks, read once per batch; they synchronise the device and "
+        "issue extra collectives: for diagnosis, never for measurements.",
+    )
+    SGLANG_NSA_CP_PD_SECRET = EnvSecret(
+        "SGLANG_NSA_CP_PD_SECRET",
+        None,
+        "Key of the PD messages (HMAC-SHA256), at least 16 bytes, the same on the decode and every "
+        "prefill rank; unset: nothing is keyed (the demo makes a random one for its own processes).",
+    )
+    SGLANG_NSA_CP_TEST_SEED = EnvInt(
+        "SGLANG_NSA_CP_TEST_SEED",
+        None,
+        "Tests only: replay the random inputs of a kernel test run (its failure messages print the seed).",
+    )
+
+    def all(self) -> list[EnvVar]:
+        return [v for v in vars(type(self)).values() if isinstance(v, EnvVar)]
+
+
+envs = NsaCpEnvs()
+
+
+def markdown_table() -> str:
+    """The table of variables README.md carries."""
+    lines = ["| Variable | Type | Default | Meaning |", "|---|---|---|---|"]
+    for var in envs.all():
+        default = "unset" if var.default is None else f"`{var.unparse(var.default)}`"
+        lines.append(f"| `{var.name}` | {var.type_name} | {default} | {var.meaning} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -1,0 +1,55 @@
+"""The env-var registry (CPU, ~2 s): typed reads, overrides, and docs that list exactly the
+registered variables."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_nsa_cp.envs import envs, markdown_table
+
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=5, suite="nsa-cp-test-cpu")
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = re.compile(r"SGLANG_NSA_CP_[A-Z0-9_]*[A-Z0-9]")
+
+
+def test_readme_table_is_the_generated_one():
+    readme = (ROOT / "README.md").read_text()
+    assert markdown_table() in readme, "README.md's variable table is stale: paste `python -m sglang_nsa_cp.envs`"
+
+
+def test_every_variable_named_anywhere_is_registered():
+    registered = {v.name for v in envs.all()}
+    files = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "python").rglob("*.py"),
+             *(ROOT / "test").glob("*.py"), *(ROOT / "benchmark").glob("*.py")]  # fmt: skip
+    named = {(name, f.relative_to(ROOT).as_posix()) for f in files for name in NAME.findall(f.read_text())}
+    unknown = sorted((name, path) for name, path in named if name not in registered)
+    assert not unknown, f"(variable, file) not declared in python/sglang_nsa_cp/envs.py: {unknown}"
+
+
+def test_typed_reads_and_overrides(monkeypatch):
+    with envs.SGLANG_NSA_CP_DEBUG.override(True):
+        assert envs.SGLANG_NSA_CP_DEBUG.get() is True
+    monkeypatch.delenv("SGLANG_NSA_CP_DEBUG", raising=False)
+    assert envs.SGLANG_NSA_CP_DEBUG.get() is False
+    monkeypatch.setenv("SGLANG_NSA_CP_DEBUG", "maybe")
+    with pytest.raises(ValueError, match="SGLANG_NSA_CP_DEBUG='maybe' is not a boolean"):
+        envs.SGLANG_NSA_CP_DEBUG.get()
+    with envs.SGLANG_NSA_CP_KERNELS.override("Torch"):
+        assert envs.SGLANG_NSA_CP_KERNELS.get() == "torch"
+    with envs.SGLANG_NSA_CP_KERNELS.override("cuda"), pytest.raises(ValueError, match="expected one of"):
+        envs.SGLANG_NSA_CP_KERNELS.get()
+    with envs.SGLANG_NSA_CP_PD_SECRET.override("short"), pytest.raises(ValueError, match="at least 16"):
+        envs.SGLANG_NSA_CP_PD_SECRET.get()
+    with envs.SGLANG_NSA_CP_TEST_SEED.override(7):
+        assert envs.SGLANG_NSA_CP_TEST_SEED.get() == 7
+    with pytest.raises(RuntimeError, match=r"use SGLANG_NSA_CP_PREFETCH.get\(\)"):
+        bool(envs.SGLANG_NSA_CP_PREFETCH)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
