@@ -1,5 +1,6 @@
-"""CPU, ~85 s here (one spawned rank importing SGLang, a 646-token prefill in the Triton interpreter): the owner-grouped page order the decode writes
-into req_to_token (sglang_ext/disaggregation/decode.py) is invisible to SGLang's decode.
+"""CPU, ~85 s here (one spawned rank importing SGLang, a 646-token prefill in the Triton
+interpreter): the owner-grouped page order the decode writes into req_to_token
+(sglang_ext/disaggregation/decode.py) is invisible to SGLang's decode.
 
 SGLang 0.5.23's own DSA decode (`DeepseekV32ForCausalLM` with random weights, `DSATokenToKVPool`,
 `DeepseekSparseAttnBackend.forward_decode`, the DSA indexer reading paged index-K, as in

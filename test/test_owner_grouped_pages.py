@@ -1,4 +1,5 @@
-"""CPU, ~60 s here (mostly importing SGLang on 2 loaded cores; the checks take seconds): the decode allocates a shared-KV request's pages grouped by prefill owner
+"""CPU, ~60 s here (mostly importing SGLang on 2 loaded cores; the checks take seconds): the
+decode allocates a shared-KV request's pages grouped by prefill owner
 (sglang_ext/disaggregation/owner_grouped_pages.py, decode.py), so each prefill CP rank writes one
 run per layer and kind.
 
@@ -53,7 +54,8 @@ def _runs_per_rank(prefill_pages, dst_pages, cp_size, chunk_pages=None):
                 kv_indices=np.asarray(prefill_pages[start:stop], dtype=np.int64),
                 index_slice=slice(start, stop), shard_rank=rank, shard_size=cp_size,
             )  # fmt: skip
-            src_runs, _ = group_concurrent_contiguous(local.astype(np.int32), np.asarray(dst_pages)[positions].astype(np.int32))
+            dst = np.asarray(dst_pages)[positions]
+            src_runs, _ = group_concurrent_contiguous(local.astype(np.int32), dst.astype(np.int32))
             runs[rank] += len(src_runs)
             written.extend(positions.tolist())
     assert sorted(written) == list(range(n)), "every position written exactly once"
