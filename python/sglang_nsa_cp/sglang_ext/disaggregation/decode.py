@@ -18,7 +18,12 @@ SWA-tail and HiSparse allocation, page size 1, a prefill that is not owner-shard
 
 from __future__ import annotations
 
+import logging
+
 from sglang_nsa_cp.sglang_ext.disaggregation.owner_grouped_pages import regroup_token_slots
+
+logger = logging.getLogger(__name__)
+_logged_cp_sizes: set[int] = set()
 
 
 def prefill_owner_cp_size(queue, req) -> int:
@@ -49,6 +54,10 @@ def allocate_grouped_by_owner(original, self, allocator, **kwargs):
     ):
         return kv_loc
     cp_size = prefill_owner_cp_size(self, kwargs.get("req"))
+    if cp_size > 1 and cp_size not in _logged_cp_sizes:
+        _logged_cp_sizes.add(cp_size)
+        logger.info("Owned-page PD transfer: decode pages of requests from an owner-sharded CP %d prefill "
+                    "are allocated grouped by owner (one Mooncake run per prefill rank)", cp_size)
     return regroup_token_slots(kv_loc, allocator.page_size, cp_size)
 
 
