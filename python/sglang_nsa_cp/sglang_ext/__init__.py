@@ -44,6 +44,11 @@ Patch ledger (target / why / how / upstream / when it can go):
   decode's own request, keyed with SGLANG_NSA_CP_PD_SECRET when set) that a decode with the plugin
   checks before it commits. Goes if SGLang keys its sharded transfer on the pool rather than
   on its own flag and checks coverage on the decode.
+- `DecodePreallocQueue._alloc_for_decode_prealloc` (AROUND) -- disaggregation/decode.py. Why: with
+  pages in request order a prefill rank's owned positions sit N pages apart on the decode, one
+  Mooncake entry per page, layer and kind. How: re-deal the allocated pages so positions
+  k = c (mod N) are consecutive (one run per rank) for requests from an owner-sharded prefill.
+  Goes if SGLang's decode allocator learns the prefill's page ownership.
 
 The forward path itself (dense page tables for attention and the indexer, index-K writes and
 reads) needs no patch: `mem_cache.memory_pool.SharedKVDSATokenToKVPool` implements the contract of
@@ -64,6 +69,7 @@ HOOK_MODULES = (
     "sglang_nsa_cp.sglang_ext.layers.logits_processor",
     "sglang_nsa_cp.sglang_ext.disaggregation.common.conn",
     "sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn",
+    "sglang_nsa_cp.sglang_ext.disaggregation.decode",
 )
 
 _registered = False

@@ -1,0 +1,70 @@
+"""Decode side: allocate a shared-KV request's pages grouped by prefill owner. Mirrors
+`sglang/srt/disaggregation/decode.py`.
+
+Target: `DecodePreallocQueue._alloc_for_decode_prealloc` (AROUND), which `_pre_alloc` calls to
+take a request's token slots from the allocator before it writes them into `req_to_token` and
+sends their pages to the prefill (`send_metadata`). When the request's prefill advertises
+owner-sharded pages (`enable_kv_cache_sharding` in its bootstrap info, which the plugin's prefill
+ranks set) with CP size N > 1, the same pages are re-dealt so that positions k = c (mod N) sit on
+consecutive pages (`owner_grouped_pages`): each prefill rank's owned positions become one run.
+Everything downstream reads the regrouped slots: `req_to_token` (attention, the radix cache,
+decode steps continuing the last page), the KV destination list and the index-K (DSA state)
+destination list, both derived from `req_to_token`. No flag: it runs on any decode with the plugin
+installed; a stock decode keeps request order and still works (more entries per rank).
+
+Left in request order: requests with a decode-side cached prefix (positions start after it),
+SWA-tail and HiSparse allocation, page size 1, a prefill that is not owner-sharded or has CP 1.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang_nsa_cp.sglang_ext.disaggregation.owner_grouped_pages import regroup_token_slots
+
+logger = logging.getLogger(__name__)
+_logged_cp_sizes: set[int] = set()
+
+
+def prefill_owner_cp_size(queue, req) -> int:
+    """N when `req`'s prefill shards pages by owner across N > 1 CP ranks, else 1: read from the
+    bootstrap info its receiver fetched (`prefill_info_table`, before pre-allocation)."""
+    decode_req = next((d for d in getattr(queue, "queue", ()) if getattr(d, "req", None) is req), None)
+    receiver = getattr(decode_req, "kv_receiver", None)
+    if receiver is None:
+        return 1
+    info = getattr(receiver, "prefill_info", None)
+    if info is None:
+        table = getattr(getattr(queue, "kv_manager", None), "prefill_info_table", None) or {}
+        info = table.get(getattr(receiver, "bootstrap_addr", None))
+    if info is None or not getattr(info, "enable_kv_cache_sharding", False):
+        return 1
+    return max(1, int(getattr(info, "attn_cp_size", 1) or 1))
+
+
+def allocate_grouped_by_owner(original, self, allocator, **kwargs):
+    """AROUND `DecodePreallocQueue._alloc_for_decode_prealloc`."""
+    kv_loc = original(self, allocator, **kwargs)
+    if (
+        kv_loc is None
+        or allocator.page_size <= 1
+        or kwargs.get("prefix_len")
+        or kwargs.get("total_prefix_len")
+        or kwargs.get("uses_swa_tail")
+    ):
+        return kv_loc
+    cp_size = prefill_owner_cp_size(self, kwargs.get("req"))
+    if cp_size > 1 and cp_size not in _logged_cp_sizes:
+        _logged_cp_sizes.add(cp_size)
+        logger.info("Owned-page PD transfer: decode pages of requests from an owner-sharded CP %d prefill "
+                    "are allocated grouped by owner (one Mooncake run per prefill rank)", cp_size)
+    return regroup_token_slots(kv_loc, allocator.page_size, cp_size)
+
+
+HOOKS = [
+    (
+        "sglang.srt.disaggregation.decode.DecodePreallocQueue._alloc_for_decode_prealloc",
+        allocate_grouped_by_owner,
+        "AROUND",
+    ),
+]
