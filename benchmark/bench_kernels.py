@@ -126,7 +126,15 @@ def gather_case(use, rows_name, pattern, mib, src, index, out_rows) -> Case:
     }
     moved = 2 * index.numel() * src.shape[1] * src.element_size()
     return Case(
-        "gather_rows", use, rows_name, pattern, mib, moved, lambda: copy_rows.gather_rows_triton(src, index, out), torch_fns, check
+        "gather_rows",
+        use,
+        rows_name,
+        pattern,
+        mib,
+        moved,
+        lambda: copy_rows.gather_rows_triton(src, index, out),
+        torch_fns,
+        check,
     )
 
 
@@ -143,7 +151,15 @@ def scatter_case(use, rows_name, pattern, mib, src, index, dst_rows) -> Case:
     }
     moved = 2 * src.numel() * src.element_size()
     return Case(
-        "scatter_rows", use, rows_name, pattern, mib, moved, lambda: copy_rows.scatter_rows_triton(dst, index, src), torch_fns, check
+        "scatter_rows",
+        use,
+        rows_name,
+        pattern,
+        mib,
+        moved,
+        lambda: copy_rows.scatter_rows_triton(dst, index, src),
+        torch_fns,
+        check,
     )
 
 
@@ -290,7 +306,9 @@ def store_index_case(mib: int, pattern: str, n: int) -> Case:
 
     def check():
         got = index_k_store.store_owned_index_k_triton(poison(pages), slots, key, scale, 0, n, PAGE)
-        return same_bytes(got, index_k_store.store_owned_index_k_torch(poison(pages.clone()), slots, key, scale, 0, n, PAGE))
+        return same_bytes(
+            got, index_k_store.store_owned_index_k_torch(poison(pages.clone()), slots, key, scale, 0, n, PAGE)
+        )
 
     def compact_put():
         pos, dst = compact(slots, n)
@@ -398,7 +416,13 @@ def _in_copy_sweep(c: Case) -> bool:
 
 
 # family: (launch-shape names in the op's module, candidate values, which cases to time)
-SWEEP_MODULES = {"copy": copy_rows, "store": copy_rows, "narrow": copy_rows, "fp8": mla_fp8_store, "index": index_k_store}
+SWEEP_MODULES = {
+    "copy": copy_rows,
+    "store": copy_rows,
+    "narrow": copy_rows,
+    "fp8": mla_fp8_store,
+    "index": index_k_store,
+}
 SWEEPS = {
     "copy": (("COPY_BYTES_PER_PROGRAM", "COPY_NUM_WARPS"), [(2048, 4), (4096, 4), (8192, 4)], _in_copy_sweep),
     "store": (
@@ -497,7 +521,22 @@ def machine() -> dict:
 
 
 def print_table(results: list[dict]) -> None:
-    head = ["kernel", "use", "rows", "pattern", "MiB in", "MiB mv", "us", "GB/s", "copy GB/s", "of copy", "torch us", "speedup", "ok", "torch impl"]
+    head = [
+        "kernel",
+        "use",
+        "rows",
+        "pattern",
+        "MiB in",
+        "MiB mv",
+        "us",
+        "GB/s",
+        "copy GB/s",
+        "of copy",
+        "torch us",
+        "speedup",
+        "ok",
+        "torch impl",
+    ]
     rows = [
         [r["kernel"], r["use"], r["rows"], r["pattern"], r["mib_in"], f"{r['moved_bytes'] / MIB:.1f}", f"{r['triton_us']:.1f}",
          f"{r['gbps']:.0f}", f"{r['copy_gbps']:.0f}", f"{r['of_copy']:.3f}", f"{r['torch_us']:.1f}", f"{r['speedup']:.2f}",
@@ -552,7 +591,9 @@ def plot(results: list[dict], path: str, title: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=comma_list(low=1), default=[16, 64, 256], help="input sizes in MiB, comma-separated")
+    parser.add_argument(
+        "--sizes", type=comma_list(low=1), default=[16, 64, 256], help="input sizes in MiB, comma-separated"
+    )
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--iters", type=int, default=60, help="timed runs per measurement (median)")
     parser.add_argument("--plot", action="store_true", help="draw fraction-of-copy bars to OUT/bench_kernels.png")

@@ -190,7 +190,8 @@ def run(args) -> dict:
             written = []
             for rank in range(cp):  # every rank writes once into one pool, then the whole request is checked
                 local, positions = filter_kv_indices_for_shard_rank(
-                    kv_indices=logical, index_slice=slice(0, n), shard_rank=rank, shard_size=cp)
+                    kv_indices=logical, index_slice=slice(0, n), shard_rank=rank, shard_size=cp
+                )
                 srcs, dsts, lens = measure(sender, cp, rank, shards[rank], local, positions, dst_all)
                 written.append((srcs, dsts, lens))
             for t in decode.kinds:
@@ -202,9 +203,17 @@ def run(args) -> dict:
             tx.unregister([t.data_ptr() for t in shard.kinds])
     return dict(
         machine=_machine(),
-        config=dict(tokens=args.tokens, pages=n, layers=args.layers, latent_bytes_per_token=args.latent_bytes,
-                    index_bytes_per_token=INDEX_BYTES, page_size=PAGE, max_batch_entries=MAX_BATCH,
-                    repeats=args.repeats, fragmented_pool_pages=2 * n),  # fmt: skip
+        config=dict(
+            tokens=args.tokens,
+            pages=n,
+            layers=args.layers,
+            latent_bytes_per_token=args.latent_bytes,
+            index_bytes_per_token=INDEX_BYTES,
+            page_size=PAGE,
+            max_batch_entries=MAX_BATCH,
+            repeats=args.repeats,
+            fragmented_pool_pages=2 * n,
+        ),  # fmt: skip
         rows=rows,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
@@ -220,6 +229,7 @@ def table(result) -> str:
     for r in rows:
         groups.setdefault((r["sender"], r["cp"]), []).append(r)
     for (sender, cp), rs in groups.items():
+
         def span(key, fmt="{:,}"):
             lo, hi = min(r[key] for r in rs), max(r[key] for r in rs)
             return fmt.format(lo) if lo == hi else f"{fmt.format(lo)}-{fmt.format(hi)}"

@@ -84,7 +84,14 @@ def _run_path(model, path, case, args, rank, world, group, device):
     num_pages = 2 * (-(-(prefix + new) // page)) + 4 * args.cp
     num_pages = -(-num_pages // args.cp) * args.cp
     table = RequestPageTable(OwnerClassedAllocator(num_pages, world), page)
-    kw = dict(num_layers=cfg.num_layers, num_pages=num_pages, page_size=page, latent_dim=cfg.latent_dim, latent_dtype=model.embed_tokens.weight.dtype, device=device)
+    kw = dict(
+        num_layers=cfg.num_layers,
+        num_pages=num_pages,
+        page_size=page,
+        latent_dim=cfg.latent_dim,
+        latent_dtype=model.embed_tokens.weight.dtype,
+        device=device,
+    )
     shared = path.startswith("shared")
     store = KVStore(cp_size=world, rank=rank, **kw) if shared else KVStore.replicated(**kw)
     split = ("page_zigzag" if shared else "zigzag") if args.split == "zigzag" else "interleave"
@@ -92,7 +99,7 @@ def _run_path(model, path, case, args, rank, world, group, device):
     if prefix:  # the cached prefix: prefilled once, untimed
         ids = torch.randint(0, cfg.vocab_size, (prefix,), generator=g).to(device)
         plan, batch = table.schedule(["base"], [prefix], split)
-        ctx = (SharedCPKV(store, plan, batch, rank, group) if shared else ReplicatedCPKV(store, plan, batch, rank, group))
+        ctx = SharedCPKV(store, plan, batch, rank, group) if shared else ReplicatedCPKV(store, plan, batch, rank, group)
         prefill_cp(model, ids, ctx, narrow_tail=shared)
     new_ids = torch.randint(0, cfg.vocab_size, (new,), generator=g).to(device)
 
@@ -104,7 +111,9 @@ def _run_path(model, path, case, args, rank, world, group, device):
         plan, batch = table.schedule([key], [new], split)
         counter, timings = TrafficCounter(), []
         if shared:
-            ctx = SharedCPKV(store, plan, batch, rank, group, counter, prefetch=path == "shared_prefetch", timings=timings)
+            ctx = SharedCPKV(
+                store, plan, batch, rank, group, counter, prefetch=path == "shared_prefetch", timings=timings
+            )
         else:
             ctx = ReplicatedCPKV(store, plan, batch, rank, group, counter)
         clock = _LayerClock(ctx, device)
@@ -161,7 +170,17 @@ def materialize_vs_allgather(history_tokens, args, rank, world, group, device, d
     page = args.page_size
     num_pages = -(-(-(-history_tokens // page) + 1) // world) * world
     table = RequestPageTable(OwnerClassedAllocator(num_pages, world), page)
-    store = KVStore(num_layers=1, num_pages=num_pages, page_size=page, cp_size=world, rank=rank, latent_dim=latent_dim, latent_dtype=dtype, fp8_latent=fp8_latent, device=device)
+    store = KVStore(
+        num_layers=1,
+        num_pages=num_pages,
+        page_size=page,
+        cp_size=world,
+        rank=rank,
+        latent_dim=latent_dim,
+        latent_dtype=dtype,
+        fp8_latent=fp8_latent,
+        device=device,
+    )
     table.schedule(["h"], [history_tokens], "interleave")
     _, batch = table.schedule(["h"], [1], "interleave")
     plan = build_dense_plan(
@@ -225,12 +244,19 @@ def rank_main(rank, world, group, args):
     row_bytes = model.config.latent_dim * dtype.itemsize + 132
     for mib in args.sweep_mib:
         tokens = int(mib * MIB / row_bytes)
-        bandwidth.append(materialize_vs_allgather(tokens, args, rank, world, group, device, dtype, model.config.latent_dim))
+        bandwidth.append(
+            materialize_vs_allgather(tokens, args, rank, world, group, device, dtype, model.config.latent_dim)
+        )
     return {"results": results, "bandwidth": bandwidth} if rank == 0 else None
 
 
 def _machine(args) -> dict:
-    info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__, "python": platform.python_version(), "host_cpus": os.cpu_count()}
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "host_cpus": os.cpu_count(),
+    }
     if args.device == "cuda":
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     else:
@@ -239,7 +265,9 @@ def _machine(args) -> dict:
 
 
 def report(out, args) -> dict:
-    rows = [["case", "path", "ms", "x replicated", "exposed mat ms", "KV MiB/rank", "scratch MiB", "logit rel err vs 1 GPU"]]
+    rows = [
+        ["case", "path", "ms", "x replicated", "exposed mat ms", "KV MiB/rank", "scratch MiB", "logit rel err vs 1 GPU"]
+    ]
     summary = []
     for row in out["results"]:
         base = row["one_gpu"]["logits"]
@@ -247,15 +275,59 @@ def report(out, args) -> dict:
             r = row[path]
             ratio = r["ms"] / row["replicated"]["ms"]
             err = rel_err(r["logits"], base)
-            rows.append([row["case"]["name"], path, f"{r['ms']:.1f}", f"{ratio:.3f}", f"{r['exposed_materialize_ms']:.2f}", f"{r['kv_bytes'] / MIB:.1f}", f"{r['scratch_bytes'] / MIB:.1f}", f"{err:.1e}"])
-            summary.append({"case": row["case"], "path": path, **{k: v for k, v in r.items() if k != "logits"}, "x_replicated": ratio, "logit_rel_err_vs_one_gpu": err})
+            rows.append(
+                [
+                    row["case"]["name"],
+                    path,
+                    f"{r['ms']:.1f}",
+                    f"{ratio:.3f}",
+                    f"{r['exposed_materialize_ms']:.2f}",
+                    f"{r['kv_bytes'] / MIB:.1f}",
+                    f"{r['scratch_bytes'] / MIB:.1f}",
+                    f"{err:.1e}",
+                ]
+            )
+            summary.append(
+                {
+                    "case": row["case"],
+                    "path": path,
+                    **{k: v for k, v in r.items() if k != "logits"},
+                    "x_replicated": ratio,
+                    "logit_rel_err_vs_one_gpu": err,
+                }
+            )
     print(format_table(rows, align="r"))
     print()
-    rows = [["history tokens", "gathered MiB", "materialize ms", "all-gather ms", "materialize GB/s", "all-gather GB/s", "of all-gather"]]
+    rows = [
+        [
+            "history tokens",
+            "gathered MiB",
+            "materialize ms",
+            "all-gather ms",
+            "materialize GB/s",
+            "all-gather GB/s",
+            "of all-gather",
+        ]
+    ]
     for b in out["bandwidth"]:
-        rows.append([b["history_tokens"], f"{b['gathered_bytes'] / MIB:.1f}", f"{b['materialize_ms']:.3f}", f"{b['allgather_ms']:.3f}", f"{b['materialize_GBps']:.1f}", f"{b['allgather_GBps']:.1f}", f"{b['fraction_of_allgather']:.2f}"])
+        rows.append(
+            [
+                b["history_tokens"],
+                f"{b['gathered_bytes'] / MIB:.1f}",
+                f"{b['materialize_ms']:.3f}",
+                f"{b['allgather_ms']:.3f}",
+                f"{b['materialize_GBps']:.1f}",
+                f"{b['allgather_GBps']:.1f}",
+                f"{b['fraction_of_allgather']:.2f}",
+            ]
+        )
     print(format_table(rows, align="r"))
-    return {"machine": _machine(args), "args": {k: v for k, v in vars(args).items()}, "paths": summary, "materialize_bandwidth": out["bandwidth"]}
+    return {
+        "machine": _machine(args),
+        "args": {k: v for k, v in vars(args).items()},
+        "paths": summary,
+        "materialize_bandwidth": out["bandwidth"],
+    }
 
 
 def save_results(raw: dict, out_dir: str, name: str, plot=None) -> None:
@@ -306,7 +378,12 @@ def main(argv=None):
     p.add_argument("--split", choices=["zigzag", "interleave"], default="zigzag")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--cold", type=comma_list(low=1), default=[16384, 32768, 65536])
-    p.add_argument("--hit", type=comma_list(int_pair, noun="PREFIX:NEW pair"), default=[(61440, 4096)], help="PREFIX:NEW,... (PREFIX a multiple of the page size)")
+    p.add_argument(
+        "--hit",
+        type=comma_list(int_pair, noun="PREFIX:NEW pair"),
+        default=[(61440, 4096)],
+        help="PREFIX:NEW,... (PREFIX a multiple of the page size)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bw-repeats", type=int, default=20)
     p.add_argument("--sweep-mib", type=comma_list(float, low=0, noun="number"), default=[16, 64, 256])

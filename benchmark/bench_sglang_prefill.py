@@ -78,8 +78,15 @@ def _engine(sa, mc, model, path, cp_group, pool_pages, max_len, chunk):
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     world = cp_group.size() if cp_group is not None else 1
-    engine = H.Engine(sa, mc, model, pool_pages=pool_pages, cp_group=cp_group if shared else None, max_len=max_len,
-                      scratch_pages=G.scratch_pages(max_len, chunk, world))  # as the plugin reserves at start-up
+    engine = H.Engine(
+        sa,
+        mc,
+        model,
+        pool_pages=pool_pages,
+        cp_group=cp_group if shared else None,
+        max_len=max_len,
+        scratch_pages=G.scratch_pages(max_len, chunk, world),
+    )  # as the plugin reserves at start-up
     torch.cuda.synchronize()
     engine.pool_alloc_bytes = torch.cuda.memory_allocated() - before
     engine.init_requests(seed=3)
@@ -113,7 +120,9 @@ def _run_case(engine, clock, case, args, tokens):
             continue
         times.append(elapsed)
         layers.append(layer_ms)
-        exposed.append([a.elapsed_time(e) for _, a, e in prefetcher.timings] if prefetcher is not None else [0.0] * len(layer_ms))
+        exposed.append(
+            [a.elapsed_time(e) for _, a, e in prefetcher.timings] if prefetcher is not None else [0.0] * len(layer_ms)
+        )
         logits.append(out)
     return times, layers, exposed, logits
 
@@ -165,11 +174,17 @@ def rank_main(rank, world, group, args, model_path):
                 del engine
                 torch.cuda.empty_cache()
         results.append(row)
-    profiles = _profile(sa, mc, model, cp_group, pool_pages, max_len, clock, cases[-1], args, tokens) if args.profile else {}
+    profiles = (
+        _profile(sa, mc, model, cp_group, pool_pages, max_len, clock, cases[-1], args, tokens) if args.profile else {}
+    )
     bandwidth = _materialize_bandwidth(args, rank, world, group, cases)
     import gpu_stand_ins
 
-    return {"results": results, "bandwidth": bandwidth, "profiles": profiles, "stand_ins": gpu_stand_ins.report()} if rank == 0 else None
+    return (
+        {"results": results, "bandwidth": bandwidth, "profiles": profiles, "stand_ins": gpu_stand_ins.report()}
+        if rank == 0
+        else None
+    )
 
 
 def _profile(sa, mc, model, cp_group, pool_pages, max_len, clock, case, args, tokens):
@@ -183,7 +198,11 @@ def _profile(sa, mc, model, cp_group, pool_pages, max_len, clock, case, args, to
             _run_case(engine, clock, case, args, tokens)
         tables[path] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
         # where the host blocks: every copy and synchronisation, by the Python lines that issued it
-        syncs = [e for e in prof.key_averages(group_by_stack_n=6) if e.key in ("cudaMemcpyAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize")]
+        syncs = [
+            e
+            for e in prof.key_averages(group_by_stack_n=6)
+            if e.key in ("cudaMemcpyAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+        ]
         tables[path + " host waits"] = "\n".join(
             f"{e.key} x{e.count} {e.self_cpu_time_total / 1e3:.1f} ms\n    " + "\n    ".join(e.stack[:6])
             for e in sorted(syncs, key=lambda e: -e.count)[:25]
@@ -199,9 +218,14 @@ def _materialize_bandwidth(args, rank, world, group, cases):
     device = torch.device("cuda", rank)
     latent_dim = G.GLM5_ATTN["kv_lora_rank"] + G.GLM5_ATTN["qk_rope_head_dim"]
     # the history each case's last chunk materializes per layer
-    sizes = [c["prefix"] for c in cases if c["prefix"]] + [c["new"] - args.chunk for c in cases if not c["prefix"] and c["new"] > args.chunk]
+    sizes = [c["prefix"] for c in cases if c["prefix"]] + [
+        c["new"] - args.chunk for c in cases if not c["prefix"] and c["new"] > args.chunk
+    ]
     fp8 = args.kv_cache_dtype == "fp8_e4m3"  # the pool's 656-byte FlashMLA rows
-    return [materialize_vs_allgather(n, ns, rank, world, group, device, torch.bfloat16, latent_dim, fp8_latent=fp8) for n in sizes]
+    return [
+        materialize_vs_allgather(n, ns, rank, world, group, device, torch.bfloat16, latent_dim, fp8_latent=fp8)
+        for n in sizes
+    ]
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -219,11 +243,11 @@ def _summarize(out, args):
         for path in PATHS:
             r = row[path]
             chunk_ms = _median_chunks(r["ms"])
-            layer_ms = [statistics.median(v) for v in zip(*[l for rep in r["layer_ms"] for l in rep])]
+            layer_ms = [statistics.median(v) for v in zip(*[ms for rep in r["layer_ms"] for ms in rep])]
             exposed = [statistics.median(v) for v in zip(*[e for rep in r["exposed_ms"] for e in rep])]
             identical = all(torch.equal(a, b) for a, b in zip(r["logits"], base["logits"]))
             max_diff = max(float((a - b).abs().max()) for a, b in zip(r["logits"], base["logits"]))
-            outside = [t - sum(l) for rep_t, rep_l in zip(r["ms"], r["layer_ms"]) for t, l in zip(rep_t, rep_l)]
+            outside = [t - sum(ms) for rep_t, rep_l in zip(r["ms"], r["layer_ms"]) for t, ms in zip(rep_t, rep_l)]
             rows.append({
                 "case": row["case"]["name"], "path": path, "chunks": len(chunk_ms),
                 "ms": sum(chunk_ms), "chunk_ms": chunk_ms, "outside_layers_ms_per_chunk": statistics.median(outside),
@@ -240,7 +264,20 @@ def _summarize(out, args):
 
 def report(out, args) -> dict:
     summary = _summarize(out, args)
-    head = ["case", "path", "chunks", "ms", "x repl.", "ms/layer", "outside layers ms/chunk", "exposed ms/layer", "exposed %", "KV pages held", "scratch MiB", "logits = repl."]
+    head = [
+        "case",
+        "path",
+        "chunks",
+        "ms",
+        "x repl.",
+        "ms/layer",
+        "outside layers ms/chunk",
+        "exposed ms/layer",
+        "exposed %",
+        "KV pages held",
+        "scratch MiB",
+        "logits = repl.",
+    ]
     table = [head] + [
         [s["case"], s["path"], s["chunks"], f"{s['ms']:.1f}", f"{s['x_replicated']:.3f}",
          f"{statistics.mean(s['layer_ms']):.2f}", f"{s['outside_layers_ms_per_chunk']:.2f}", f"{statistics.mean(s['exposed_ms_per_layer']):.3f}",
@@ -252,12 +289,22 @@ def report(out, args) -> dict:
     print()
     bw = [["history tokens", "gathered MiB", "materialize ms", "all-gather ms", "fraction of all-gather"]]
     for b in out["bandwidth"]:
-        bw.append([b["history_tokens"], f"{b['gathered_bytes'] / MIB:.1f}", f"{b['materialize_ms']:.3f}", f"{b['allgather_ms']:.3f}", f"{b['fraction_of_allgather']:.2f}"])
+        bw.append(
+            [
+                b["history_tokens"],
+                f"{b['gathered_bytes'] / MIB:.1f}",
+                f"{b['materialize_ms']:.3f}",
+                f"{b['allgather_ms']:.3f}",
+                f"{b['fraction_of_allgather']:.2f}",
+            ]
+        )
     print(format_table(bw, align="r"))
     print()
     print(out["stand_ins"])
     for path, table in out["profiles"].items():
-        print(f"\nprofile of {path} ({out['results'][-1]['case']['name']}, every chunk incl. the untimed prefix)\n{table}")
+        print(
+            f"\nprofile of {path} ({out['results'][-1]['case']['name']}, every chunk incl. the untimed prefix)\n{table}"
+        )
     return {"machine": _machine(), "args": vars(args), "config": G.GLM5_ATTN | {"num_hidden_layers": args.layers},
             "paths": summary, "materialize_bandwidth": out["bandwidth"], "stand_ins": out["stand_ins"]}  # fmt: skip
 
@@ -291,7 +338,9 @@ def _plot(raw, path):
             left += ms
     ax.set_yticks(range(len(rows)), [p["path"] for p in rows])
     ax.set_xlabel("ms (one segment per layer; red: the stream waiting for that layer's history)")
-    ax.set_title(f"SGLang DSA prefill, {name}, median layer times, {raw['machine']['gpus'][0]} x{len(raw['machine']['gpus'])}")
+    ax.set_title(
+        f"SGLang DSA prefill, {name}, median layer times, {raw['machine']['gpus'][0]} x{len(raw['machine']['gpus'])}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")
@@ -302,21 +351,35 @@ def main(argv=None):
     p.add_argument("--cp", type=int, default=2)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--chunk", type=int, default=8192, help="--chunked-prefill-size")
-    p.add_argument("--kv-cache-dtype", choices=("bfloat16", "fp8_e4m3"), default="bfloat16",
-                   help="fp8_e4m3: SGLang's fp8 pool (656-byte FlashMLA rows) on every path")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=("bfloat16", "fp8_e4m3"),
+        default="bfloat16",
+        help="fp8_e4m3: SGLang's fp8 pool (656-byte FlashMLA rows) on every path",
+    )
     p.add_argument("--cold", type=comma_list(low=1), default=[32768, 65536, 131072])
-    p.add_argument("--hit", type=comma_list(int_pair, noun="PREFIX:NEW pair"), default=[(61440, 4096), (126976, 4096)], help="PREFIX:NEW,... (PREFIX a multiple of 64)")
+    p.add_argument(
+        "--hit",
+        type=comma_list(int_pair, noun="PREFIX:NEW pair"),
+        default=[(61440, 4096), (126976, 4096)],
+        help="PREFIX:NEW,... (PREFIX a multiple of 64)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bw-repeats", type=int, default=20)
     p.add_argument("--out", default="benchmark/results")
     p.add_argument("--plot", action="store_true")
-    p.add_argument("--profile", action="store_true", help="torch.profiler tables of the last case, replicated and shared_prefetch")
+    p.add_argument(
+        "--profile", action="store_true", help="torch.profiler tables of the last case, replicated and shared_prefetch"
+    )
     args = p.parse_args(argv)
     if torch.cuda.device_count() < args.cp:
         sys.exit(f"--cp {args.cp} needs {args.cp} GPUs; this machine has {torch.cuda.device_count()}")
     if any(pref % G.PAGE for pref, _ in args.hit):
         sys.exit(f"--hit prefixes must be multiples of the page size {G.PAGE}")
-    model_path = G.write_config(tempfile.mkdtemp(prefix="glm5_attn_"), G.GLM5_ATTN | {"num_hidden_layers": args.layers, "first_k_dense_replace": args.layers})
+    model_path = G.write_config(
+        tempfile.mkdtemp(prefix="glm5_attn_"),
+        G.GLM5_ATTN | {"num_hidden_layers": args.layers, "first_k_dense_replace": args.layers},
+    )
     out = run_ranks(rank_main, args.cp, args=(args, model_path), backend="nccl", timeout_s=3000)[0]
     raw = report(out, args)
     name = "bench_sglang_prefill" + ("_fp8" if args.kv_cache_dtype == "fp8_e4m3" else "")

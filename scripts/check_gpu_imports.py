@@ -117,7 +117,9 @@ def main() -> int:
     else:
         print("[SKIP] flash_mla: no real CUDA device here (its library needs one)")
     print(gpu_stand_ins.report())
-    print(f"imports: {len(MODULES) - len(failed)} ok, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))
+    print(
+        f"imports: {len(MODULES) - len(failed)} ok, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else "")
+    )
     return 1 if failed else 0
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The CPU test suite (the README's test command). Sets up .venv first if needed.
-#   bash scripts/test.sh                          the CPU suite, through scripts/run_suite.py: every
+#   bash scripts/test.sh                          the formatter and linter (ruff, pyproject.toml), then
+#                                                 the CPU suite through scripts/run_suite.py: every
 #                                                 registered test/test_*.py of suite nsa-cp-test-cpu,
 #                                                 after checking that every test file is registered
 #   bash scripts/test.sh test/test_split.py -k x  exactly what it is given, as pytest arguments
@@ -11,6 +12,9 @@ bash scripts/setup_cpu.sh
 # Triton's interpreter must be selected before triton is imported (sglang imports it too).
 export TRITON_INTERPRET=1
 if [ $# -eq 0 ]; then
+  # `ruff format .` and `ruff check --fix .` fix most of what these report.
+  .venv/bin/ruff format --check --quiet . || { echo "test.sh: run '.venv/bin/ruff format .'" >&2; exit 1; }
+  .venv/bin/ruff check --quiet .
   exec .venv/bin/python scripts/run_suite.py --suite nsa-cp-test-cpu
 fi
 exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 "$@"

@@ -58,7 +58,9 @@ def fp8_mqa_logits(q_fp8, kv, weights, ks, ke, clean_logits=False, max_seqlen_k=
         if not t.is_cuda or not t.is_contiguous():
             raise ValueError(f"fp8_mqa_logits: {name} must be a contiguous CUDA tensor")
     if k_fp8.reshape(n, -1).shape[1] != dim or tuple(weights.shape) != (m, heads):
-        raise ValueError(f"fp8_mqa_logits: q {tuple(q_fp8.shape)}, k {tuple(k_fp8.shape)}, weights {tuple(weights.shape)}")
+        raise ValueError(
+            f"fp8_mqa_logits: q {tuple(q_fp8.shape)}, k {tuple(k_fp8.shape)}, weights {tuple(weights.shape)}"
+        )
     storage = torch.empty((m, (n + 3) // 4 * 4), dtype=torch.float32, device=q_fp8.device)
     if m and n:
         grid = (triton.cdiv(m, 128), triton.cdiv(n, 128))

@@ -159,9 +159,7 @@ class SGLangSplit:
 
 def flat_positions(extend_lens, prefix_lens) -> torch.Tensor:
     """Absolute position of each flat-batch token (input to shard_position_ids)."""
-    return torch.cat(
-        [torch.arange(p, p + e) for p, e in zip(prefix_lens, extend_lens)]
-    )
+    return torch.cat([torch.arange(p, p + e) for p, e in zip(prefix_lens, extend_lens)])
 
 
 def sglang_split(
@@ -267,6 +265,4 @@ def sglang_interleave_q_lens(cp_size: int, rank: int, extend_lens: Sequence[int]
     bs_idx); the last two come from SGLang's triton kernel (interpreted on CPU)."""
     strategy = InterleaveCPStrategy(cp_size=cp_size)
     with _as_rank(rank, cp_size, CollectiveSim(cp_size, rank, {})):
-        return strategy.shard_per_request(
-            list(extend_lens), torch.tensor(list(extend_lens), dtype=torch.int32)
-        )
+        return strategy.shard_per_request(list(extend_lens), torch.tensor(list(extend_lens), dtype=torch.int32))

@@ -218,7 +218,12 @@ def install_process_stand_ins():
     dsa_indexer.resolve_paged_mqa_logits_metadata_fn = lambda: (lambda *a, **k: None)
     # The ragged prefill top-k sizes its logits chunks from the CUDA device's free memory.
     if not getattr(Indexer._get_topk_ragged, "_cpu_stand_in", False):
-        _patch_source(Indexer, "_get_topk_ragged", 'assert device_index is not None, "q_fp8 must be on an indexed CUDA device"', "device_index = 0")
+        _patch_source(
+            Indexer,
+            "_get_topk_ragged",
+            'assert device_index is not None, "q_fp8 must be on an indexed CUDA device"',
+            "device_index = 0",
+        )
         Indexer._get_topk_ragged._cpu_stand_in = True
     Indexer._get_mqa_logits_budget_bytes = lambda self, device_index: 1 << 30
 
@@ -257,7 +262,9 @@ def install_server_stand_ins():
     # prepare_mlp_sync_batch (CP and DP attention) pins a host tensor unless on SGLang's CPU
     # engine: "pin_memory=True requires a CUDA or other accelerator backend".
     if not getattr(ForwardBatch.prepare_mlp_sync_batch, "_cpu_stand_in", False):
-        _patch_source(ForwardBatch, "prepare_mlp_sync_batch", "self.use_pin_memory = not _is_cpu", "self.use_pin_memory = False")
+        _patch_source(
+            ForwardBatch, "prepare_mlp_sync_batch", "self.use_pin_memory = not _is_cpu", "self.use_pin_memory = False"
+        )
         ForwardBatch.prepare_mlp_sync_batch._cpu_stand_in = True
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
 
@@ -292,5 +299,9 @@ def register():
     sys.modules.setdefault("soundfile", soundfile)
     install_process_stand_ins()
     install_server_stand_ins()
-    HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.load_model", _patch_loaded_model, HookType.AFTER)
-    HookRegistry.register("sglang_nsa_cp.sglang_ext.arg_groups.parallel_hook.find_problems", _allow_cpu_device, HookType.AROUND)
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner.load_model", _patch_loaded_model, HookType.AFTER
+    )
+    HookRegistry.register(
+        "sglang_nsa_cp.sglang_ext.arg_groups.parallel_hook.find_problems", _allow_cpu_device, HookType.AROUND
+    )

@@ -65,7 +65,9 @@ def build_draft(sa, mc, target):
 
     with (
         set_default_torch_dtype(torch.bfloat16),
-        mock.patch.object(DeepseekV2DecoderLayer, "_is_layer_sparse", staticmethod(lambda config, layer_id, is_nextn: False)),
+        mock.patch.object(
+            DeepseekV2DecoderLayer, "_is_layer_sparse", staticmethod(lambda config, layer_id, is_nextn: False)
+        ),
         mock.patch.object(dsa_indexer, "_is_cuda", False),  # built as the target was, before patch_model
     ):
         draft = DeepseekV3ForCausalLMNextN(mc.hf_config)
@@ -128,7 +130,15 @@ def run_scenario(rank, world, group, model_path, mode):
     t_engine.init_requests(seed=3)
     toks = harness.token_ids()
     last_batch = {i: b for b, batch in enumerate(harness.BATCHES) for i, _ in batch}
-    out = dict(target_logits=[], target_hidden=[], draft_logits=[], draft_topk=[], draft_hidden=[], tail_rows=[], draft_history=[])
+    out = dict(
+        target_logits=[],
+        target_hidden=[],
+        draft_logits=[],
+        draft_topk=[],
+        draft_hidden=[],
+        tail_rows=[],
+        draft_history=[],
+    )
     written = []
     for b, batch in enumerate(harness.BATCHES):
         if b == 2:

@@ -203,7 +203,15 @@ def run_check(rank, world, group, model_path, mode, prefetch=True, kv_cache_dtyp
         os.environ[envs.SGLANG_NSA_CP_PREFETCH.name] = "1" if prefetch else "0"
         cp_group = get_parallel().attn_cp_group.device_group
     mc, model = build_model(sa)
-    engine = H.Engine(sa, mc, model, pool_pages=256, cp_group=cp_group, max_len=CHECK_MAX_LEN, scratch_pages=scratch_pages(CHECK_MAX_LEN, CHECK_MAX_LEN, world))
+    engine = H.Engine(
+        sa,
+        mc,
+        model,
+        pool_pages=256,
+        cp_group=cp_group,
+        max_len=CHECK_MAX_LEN,
+        scratch_pages=scratch_pages(CHECK_MAX_LEN, CHECK_MAX_LEN, world),
+    )
     engine.init_requests(seed=3)
     toks = check_token_ids(mc.hf_config.vocab_size)
     logits = []
@@ -220,7 +228,9 @@ def run_check(rank, world, group, model_path, mode, prefetch=True, kv_cache_dtyp
     # what a decode instance holds after the prefill batches (PD: the pages it receives): a digest per layer
     import hashlib
 
-    info["decode_pool_digests"] = [hashlib.sha256(buf.view(torch.uint8).cpu().numpy().tobytes()).hexdigest() for buf in engine.pool.kv_buffer]
+    info["decode_pool_digests"] = [
+        hashlib.sha256(buf.view(torch.uint8).cpu().numpy().tobytes()).hexdigest() for buf in engine.pool.kv_buffer
+    ]
     logits.append(engine.run(engine.forward_batch(CHECK_DECODE, toks, decode=True)))
     import gpu_stand_ins
 

@@ -127,7 +127,10 @@ class Tier:
         """What `UnifiedRadixCache._build_sidecar_transfers` passes along a KV transfer."""
         from sglang.srt.mem_cache.hicache_storage import PoolTransfer
 
-        return [PoolTransfer(name=s.pool_name, hit_policy=s.hit_policy, indices_from_pool=s.indices_from_pool) for s in self.sidecars]
+        return [
+            PoolTransfer(name=s.pool_name, hit_policy=s.hit_policy, indices_from_pool=s.indices_from_pool)
+            for s in self.sidecars
+        ]
 
     def write_back(self, device_slots: torch.Tensor, start_owner: int | None) -> torch.Tensor:
         """`UnifiedRadixCache._execute_kv_backup`: the owner of the node's first page is the start owner."""
@@ -213,7 +216,9 @@ def _put(tiers, pages, content):
 
 def _get(tier, page, layer):
     pool = tier.pool
-    return pool.kv_buffer[layer][_local_rows(pool, page), 0], pool.index_k_with_scale_buffer[layer][_local_page(pool, page)]
+    return pool.kv_buffer[layer][_local_rows(pool, page), 0], pool.index_k_with_scale_buffer[layer][
+        _local_page(pool, page)
+    ]
 
 
 def round_trips(rank, world, group, model_path, cases):
@@ -244,7 +249,9 @@ def round_trip(group, n, num_pages, seed=0):
     # The allocator and controller are mirrored: every rank makes the same choices (SPMD).
     start_owner = 1 % n
     chains = [t.allocator.alloc_cyclic(start_class=start_owner, need_size=num_pages * PAGE) for t in shared]
-    assert all(torch.equal(c, chains[0]) for c in chains), f"{n=}: ranks allocated different pages {[_pages(c) for c in chains]}"
+    assert all(torch.equal(c, chains[0]) for c in chains), (
+        f"{n=}: ranks allocated different pages {[_pages(c) for c in chains]}"
+    )
     dev = chains[0]
     dev_rep = replicated.allocator.alloc(num_pages * PAGE)
     _put(shared, _pages(dev), content)
@@ -267,8 +274,8 @@ def round_trip(group, n, num_pages, seed=0):
         dev=_pages(dev), host=host_pages, new=_pages(new), new_rep=_pages(loaded_rep),
         content=content,
         # every rank's whole shard and host tier after the round trip, to check against the content
-        shards=[[(t.pool.kv_buffer[l].clone(), t.pool.index_k_with_scale_buffer[l].clone()) for l in range(LAYERS)] for t in shared],
-        replicated_new=[[_get(replicated, p, l) for l in range(LAYERS)] for p in _pages(loaded_rep)],
+        shards=[[(t.pool.kv_buffer[layer].clone(), t.pool.index_k_with_scale_buffer[layer].clone()) for layer in range(LAYERS)] for t in shared],
+        replicated_new=[[_get(replicated, p, layer) for layer in range(LAYERS)] for p in _pages(loaded_rep)],
         host_kv=[t.host_buffers()[0].clone() for t in shared],
         host_nbytes=[t.host_nbytes() for t in shared],
         replicated_host_nbytes=replicated.host_nbytes(),

@@ -320,7 +320,15 @@ def _record_tail_rows(engine):
     eager_runner.cp_gather_after_forward = recorded
 
 
-_COLLECTIVES = ("all_gather_into_tensor", "all_gather", "all_reduce", "broadcast", "reduce_scatter_tensor", "all_to_all_single", "barrier")
+_COLLECTIVES = (
+    "all_gather_into_tensor",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "barrier",
+)
 
 
 def record_collectives() -> list:
@@ -337,7 +345,9 @@ def record_collectives() -> list:
             tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
             group = kwargs.get("group")
             ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else "world"
-            log.append((_name, tuple(tensor.shape) if tensor is not None else None, str(getattr(tensor, "dtype", "")), ranks))
+            log.append(
+                (_name, tuple(tensor.shape) if tensor is not None else None, str(getattr(tensor, "dtype", "")), ranks)
+            )
             return _inner(*args, **kwargs)
 
         setattr(dist, name, recorded)

@@ -319,7 +319,9 @@ class Cluster:
         while waiting:
             for server in list(waiting):
                 if server.exited() is not None:
-                    raise RuntimeError(f"{server.name} exited with {server.exited()} while starting:\n{server.log_tail()}")
+                    raise RuntimeError(
+                        f"{server.name} exited with {server.exited()} while starting:\n{server.log_tail()}"
+                    )
                 if server.ready():
                     waiting.remove(server)
             if waiting and time.monotonic() > deadline:
@@ -340,7 +342,9 @@ class Cluster:
             except (requests.RequestException, ValueError, KeyError):
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"router has no healthy prefill and decode after {timeout_s} s:\n{router.log_tail()}")
+                raise TimeoutError(
+                    f"router has no healthy prefill and decode after {timeout_s} s:\n{router.log_tail()}"
+                )
             time.sleep(0.5)
 
     def log_tails(self, chars: int = 1500) -> str:
@@ -428,10 +432,15 @@ def main() -> None:
         cluster.start()
         print(f"servers up in {time.monotonic() - t0:.0f} s; logs in {workdir / 'logs'}")
         for name, server in cluster.servers.items():
-            print(f"  {name:10s} {server.url}" + (f" (bootstrap {server.bootstrap_port})" if server.bootstrap_port else ""))
+            print(
+                f"  {name:10s} {server.url}"
+                + (f" (bootstrap {server.bootstrap_port})" if server.bootstrap_port else "")
+            )
         print(f"  router     {cluster.router_url} -> shared + decode")
         shared, replicated = cluster.servers["shared"].info(), cluster.servers["replicated"].info()
-        print(f"max_total_num_tokens: shared {shared['max_total_num_tokens']}, replicated {replicated['max_total_num_tokens']}")
+        print(
+            f"max_total_num_tokens: shared {shared['max_total_num_tokens']}, replicated {replicated['max_total_num_tokens']}"
+        )
         for length in (5, 70, 200):
             ids = prompt_ids(length, seed=length)
             t = time.monotonic()
@@ -439,13 +448,17 @@ def main() -> None:
             _, rep = generate_pd(cluster.servers["replicated"], cluster.servers["decode"], ids, 8)
             single = generate(cluster.servers["single"].url, ids, 8)["output_ids"]
             same = via_router == rep["output_ids"] == single
-            print(f"prompt {length:3d} tokens: shared-KV PD {via_router}  replicated PD {rep['output_ids']}  "
-                  f"single {single}  {'same' if same else 'DIFFERENT'}  ({time.monotonic() - t:.1f} s)")
+            print(
+                f"prompt {length:3d} tokens: shared-KV PD {via_router}  replicated PD {rep['output_ids']}  "
+                f"single {single}  {'same' if same else 'DIFFERENT'}  ({time.monotonic() - t:.1f} s)"
+            )
         text = complete(cluster.router_url, "Hello, shared KV!", 8)["choices"][0]["text"]
         print(f"/v1/completions via the router: {text!r}")
         if args.keep:
-            print(f"curl {cluster.router_url}/generate -H 'content-type: application/json' -d '{{\"text\": \"Hello\", \"sampling_params\": "
-                  f"{{\"temperature\": 0, \"max_new_tokens\": 8}}}}'   (Ctrl-C stops the servers)")
+            print(
+                f'curl {cluster.router_url}/generate -H \'content-type: application/json\' -d \'{{"text": "Hello", "sampling_params": '
+                f'{{"temperature": 0, "max_new_tokens": 8}}}}\'   (Ctrl-C stops the servers)'
+            )
             while True:
                 time.sleep(3600)
     except KeyboardInterrupt:

@@ -18,12 +18,35 @@ ROOT = pathlib.Path(__file__).parents[1]
 @pytest.mark.parametrize("cp", [4, 8])
 def test_prefill_benchmark_runs_on_cpu_ranks(cp, tmp_path):
     args = [
-        "--device", "cpu", "--config", "tiny", "--cp", str(cp), "--page-size", "16",
-        "--cold", "150", "--hit", "128:40", "--repeats", "1", "--bw-repeats", "1",
-        "--sweep-mib", "0.25", "--out", str(tmp_path),
+        "--device",
+        "cpu",
+        "--config",
+        "tiny",
+        "--cp",
+        str(cp),
+        "--page-size",
+        "16",
+        "--cold",
+        "150",
+        "--hit",
+        "128:40",
+        "--repeats",
+        "1",
+        "--bw-repeats",
+        "1",
+        "--sweep-mib",
+        "0.25",
+        "--out",
+        str(tmp_path),
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "python")}
-    run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "bench_prefill.py"), *args], env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmark" / "bench_prefill.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "of all-gather" in run.stdout  # the printed tables
     raw = json.loads((tmp_path / "bench_prefill.json").read_text())

@@ -96,7 +96,9 @@ def _fail_on_rank_one(rank, world, group):
 
 def test_a_failing_rank_is_named_instead_of_hanging():
     start = time.monotonic()
-    with pytest.raises(RankFailure, match=r"rank 1/3 failed:[\s\S]*boom on rank one[\s\S]*ranks \[0, 2\] of 3 were stopped"):
+    with pytest.raises(
+        RankFailure, match=r"rank 1/3 failed:[\s\S]*boom on rank one[\s\S]*ranks \[0, 2\] of 3 were stopped"
+    ):
         run_ranks(_fail_on_rank_one, 3, timeout_s=60)
     assert time.monotonic() - start < 50, "the survivors were waited for instead of stopped"
 

@@ -46,7 +46,12 @@ def _held_per_rank(scenario: Scenario, cp_size: int) -> tuple[list[int], int]:
     table = RequestPageTable(OwnerClassedAllocator(scenario.num_pages(), cp_size), scenario.page_size)
     for chunk in scenario.chunks:
         table.schedule([k for k, _ in chunk], [n for _, n in chunk], "page_zigzag")
-    kw = dict(num_layers=cfg.num_layers, num_pages=scenario.num_pages(), page_size=scenario.page_size, latent_dim=cfg.latent_dim)
+    kw = dict(
+        num_layers=cfg.num_layers,
+        num_pages=scenario.num_pages(),
+        page_size=scenario.page_size,
+        latent_dim=cfg.latent_dim,
+    )
     shared = [held_pages(KVStore(cp_size=cp_size, rank=r, **kw), table) for r in range(cp_size)]
     return shared, held_pages(KVStore.replicated(**kw), table)
 
@@ -111,7 +116,10 @@ def test_demo_command_writes_a_report(tmp_path, capsys):
     assert report["kv_bytes_per_rank"]["shared"][0] * 2 == report["kv_bytes_per_rank"]["replicated"][0]
     # r0: 61 tokens = 4 pages, r1: 9 tokens = 1 page; each held once across the two shared ranks.
     assert sum(report["held_pages_per_rank"]["shared"]) == report["held_pages_per_rank"]["replicated"][0] == 5
-    assert report["bytes_moved"]["shared"]["tail_narrow"]["bytes"] < report["bytes_moved"]["replicated"]["tail_full"]["bytes"]
+    assert (
+        report["bytes_moved"]["shared"]["tail_narrow"]["bytes"]
+        < report["bytes_moved"]["replicated"]["tail_full"]["bytes"]
+    )
     assert "oracle: ok" in capsys.readouterr().out
 
 
@@ -138,23 +146,47 @@ BAD_INPUTS = {
     "unknown split": (["--split", "ring"], "--split ring: must be one of zigzag, interleave"),
     "unknown dtype": (["--dtype", "half"], "--dtype half: must be one of float32, float64"),
     "no ranks": (["--cp", "0"], "--cp 0: must be an integer from 1 to 64"),
-    "empty extend list": (["--extend-lens="], "--extend-lens '': item 1 is empty; must be comma-separated integers >= 1"),
-    "empty prefix list": (["--prefix-lens="], "--prefix-lens '': item 1 is empty; must be comma-separated integers >= 0"),
-    "empty item": (["--extend-lens", "5,,6"], "--extend-lens 5,,6: item 2 is empty; must be comma-separated integers >= 1"),
-    "zero new tokens": (["--extend-lens", "5,0"], "--extend-lens 5,0: item 2 is 0; must be comma-separated integers >= 1"),
+    "empty extend list": (
+        ["--extend-lens="],
+        "--extend-lens '': item 1 is empty; must be comma-separated integers >= 1",
+    ),
+    "empty prefix list": (
+        ["--prefix-lens="],
+        "--prefix-lens '': item 1 is empty; must be comma-separated integers >= 0",
+    ),
+    "empty item": (
+        ["--extend-lens", "5,,6"],
+        "--extend-lens 5,,6: item 2 is empty; must be comma-separated integers >= 1",
+    ),
+    "zero new tokens": (
+        ["--extend-lens", "5,0"],
+        "--extend-lens 5,0: item 2 is 0; must be comma-separated integers >= 1",
+    ),
     "not a length": (["--extend-lens", "5,x"], "--extend-lens 5,x: item 2 x is not an integer"),
-    "negative prefix": (["--extend-lens", "5", "--prefix-lens", "-1"], "--prefix-lens -1: item 1 is -1; must be comma-separated integers >= 0"),
+    "negative prefix": (
+        ["--extend-lens", "5", "--prefix-lens", "-1"],
+        "--prefix-lens -1: item 1 is -1; must be comma-separated integers >= 0",
+    ),
     "lengths differ": (
         ["--extend-lens", "4,5", "--prefix-lens", "0"],
         "--prefix-lens 0: 1 value for the 2 requests of --extend-lens 4,5; give one cached length per request",
     ),
-    "too many tokens": (["--extend-lens", "70000"], "--extend-lens 70000: 70000 tokens in all; the CPU demo takes at most 65536"),
+    "too many tokens": (
+        ["--extend-lens", "70000"],
+        "--extend-lens 70000: 70000 tokens in all; the CPU demo takes at most 65536",
+    ),
     "oversized seed": (["--seed", str(2**64)], f"--seed {2**64}: must be an integer from 0 to {2**63 - 1}"),
     "negative seed": (["--seed", "-1"], "--seed -1: must be an integer from 0 to"),
     "decode steps without pd": (["--decode-steps", "3"], "--decode-steps 3: only used with --pd; add --pd or drop it"),
     "negative decode steps": (["--pd", "--decode-steps", "-1"], "--decode-steps -1: must be an integer from 0 to 1024"),
-    "unknown mooncake level": (["--pd", "--mooncake-log", "loud"], "--mooncake-log loud: must be one of trace, info, warning, error"),
-    "json in a missing folder": (["--json", "{tmp}/missing/report.json"], "--json {tmp}/missing/report.json: cannot be written (No such file or directory)"),
+    "unknown mooncake level": (
+        ["--pd", "--mooncake-log", "loud"],
+        "--mooncake-log loud: must be one of trace, info, warning, error",
+    ),
+    "json in a missing folder": (
+        ["--json", "{tmp}/missing/report.json"],
+        "--json {tmp}/missing/report.json: cannot be written (No such file or directory)",
+    ),
     "json is a folder": (["--json", "{tmp}"], "--json {tmp}: is a directory; give a file path"),
     "missing value": (["--cp"], "argument --cp: expected one argument"),
 }

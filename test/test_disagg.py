@@ -77,8 +77,7 @@ def make_pool(case: Case, num_pages: int, seed: int | None) -> KVBuffers:
     row_bytes = width * dtype.itemsize
     rows = num_pages * case.page_size
     kv = [fill(rows * row_bytes).view(dtype).view(rows, width) for _ in range(case.num_layers)]
-    index = [fill(num_pages * case.page_size * INDEX_ROW_BYTES).view(num_pages, -1)
-             for _ in range(case.num_layers)]
+    index = [fill(num_pages * case.page_size * INDEX_ROW_BYTES).view(num_pages, -1) for _ in range(case.num_layers)]
     return KVBuffers(kv, index, case.page_size)
 
 
@@ -148,7 +147,9 @@ def _send_with_fault(sender: OwnedPageSender, address: str, request_id, nonce, p
         flat[spot] ^= 0xFF  # restore, so later requests see the seeded shard again
     if fault == "omit":  # wrote every page, but the manifest forgets the last one
         owned = dataclasses.replace(
-            owned, positions=owned.positions[:-1], logical_pages=owned.logical_pages[:-1],
+            owned,
+            positions=owned.positions[:-1],
+            logical_pages=owned.logical_pages[:-1],
             local_pages=owned.local_pages[:-1],
         )
         checksums = checksums[:-1]
@@ -170,8 +171,9 @@ def _rank_main(conn) -> None:
                 case, rank = args
                 if sender is not None:
                     sender.close()
-                sender = OwnedPageSender(make_shard(case, rank), rank, case.cp_size,
-                                         engine=engine, timeout_s=10, secret=SECRET)
+                sender = OwnedPageSender(
+                    make_shard(case, rank), rank, case.cp_size, engine=engine, timeout_s=10, secret=SECRET
+                )
                 result = None
             elif cmd == "send":
                 result = _send_with_fault(sender, *args)
@@ -269,8 +271,13 @@ def transfer(ranks: RankPool, rx: OwnedPageReceiver, case: Case, request_id, pag
     faults = faults or {}
     nonce = new_nonce()
     dst = rx.expect(request_id, len(pages), case.cp_size, nonce=nonce)
-    results = ranks.run({r: ("send", (rx.address, request_id, nonce, pages, faults.get(r)))
-                         for r in range(case.cp_size) if faults.get(r) != "silent"})
+    results = ranks.run(
+        {
+            r: ("send", (rx.address, request_id, nonce, pages, faults.get(r)))
+            for r in range(case.cp_size)
+            if faults.get(r) != "silent"
+        }
+    )
     return dst, results, rx.wait(request_id, timeout_s=15)
 
 
@@ -309,7 +316,8 @@ def test_plan_owned_pages_partitions_positions(cp_size):
         for plan in plans:
             for k, p, q in zip(plan.positions, plan.logical_pages, plan.local_pages):
                 assert (pages[k], p % cp_size, q) == (p, plan.rank, p // cp_size), (
-                    f"{cp_size=}, rank={plan.rank}, position {k}: page {p}, local {q}")
+                    f"{cp_size=}, rank={plan.rank}, position {k}: page {p}, local {q}"
+                )
 
 
 def test_plan_owned_pages_rejects_bad_input():
@@ -356,8 +364,11 @@ def test_checksum_matches_formula_and_catches_changes():
     assert sums.dtype == torch.int64
     assert sums.tolist() == [_checksum_by_hand(pool, p) for p in (4, 0, 2)]
     # Extreme words at the largest page the checksum allows: still exact, no int64 overflow.
-    big = KVBuffers([torch.full((2, 1 << 16), -(1 << 31), dtype=torch.int32)],
-                    [torch.full((2, 4), 0x7F, dtype=torch.uint8)], page_size=1)
+    big = KVBuffers(
+        [torch.full((2, 1 << 16), -(1 << 31), dtype=torch.int32)],
+        [torch.full((2, 4), 0x7F, dtype=torch.uint8)],
+        page_size=1,
+    )
     assert page_checksums(big, [1]).tolist() == [_checksum_by_hand(big, 1)]
     before = page_checksums(pool, range(5))
     pool.kv[1].view(-1).view(torch.uint8)[2 * pool.kv_page_bytes + 7] ^= 1  # one bit, page 2
@@ -376,8 +387,9 @@ def test_check_coverage_names_every_problem():
     assert check_coverage(6, 2, good).ok
     bad = {0: manifest(0, [0, 2, 3], [10, 12, 14]), 1: manifest(1, [1, 3, 9], [11, 12, 15])}
     report = check_coverage(6, 2, bad)
-    assert (report.missing, report.duplicated, report.wrong_owner, report.out_of_range) == (
-        (4, 5), (3,), (3,), (9,)), report
+    assert (report.missing, report.duplicated, report.wrong_owner, report.out_of_range) == ((4, 5), (3,), (3,), (9,)), (
+        report
+    )
     assert "duplicated positions [3 (ranks [0, 1])]" in report.describe(), report.describe()
     assert check_coverage(6, 2, {1: good[1]}).silent_ranks == (0,)
 
@@ -458,8 +470,7 @@ def test_sender_rejects_bad_input_before_any_transfer(decode_engine, prefill_eng
 
 # ---- prefill ranks as processes ------------------------------------------------------------
 
-TRANSFER_CASES = [Case(2, "bf16"), Case(2, "fp8", seed=1), Case(4, "bf16", seed=2),
-                  Case(4, "fp8", seed=3)]
+TRANSFER_CASES = [Case(2, "bf16"), Case(2, "fp8", seed=1), Case(4, "bf16", seed=2), Case(4, "fp8", seed=3)]
 
 
 @pytest.mark.parametrize("case", TRANSFER_CASES, ids=lambda c: f"N{c.cp_size}-{c.row}")
@@ -501,8 +512,10 @@ def test_each_rank_sends_a_1_over_n_share(ranks, decode_engine):
     buffers = 2 * case.num_layers
     rows = []
     try:
-        requests = {"rotating": interleaved_pages(0, 16),
-                    "runs": compute_owner_pages(4, [(0, 4), (1, 4), (2, 4), (3, 4)])}
+        requests = {
+            "rotating": interleaved_pages(0, 16),
+            "runs": compute_owner_pages(4, [(0, 4), (1, 4), (2, 4), (3, 4)]),
+        }
         for rid, pages in requests.items():
             dst, results, status = transfer(ranks, rx, case, rid, pages)
             assert isinstance(status, Committed), status
@@ -531,8 +544,9 @@ def test_killed_or_silent_rank_fails_the_request_after_the_timeout(ranks, decode
         # Rank 1 never sends: nothing can be in flight, so the pages are free at once.
         dst, _, status = transfer(ranks, rx, case, "silent", pages, faults={1: "silent"})
         assert isinstance(status, Failed), status
-        assert status.reason == ("timed out after 1.5 s: no manifest from rank(s) [1]; "
-                                 "missing positions [1, 3, 5]"), status.reason
+        assert status.reason == ("timed out after 1.5 s: no manifest from rank(s) [1]; missing positions [1, 3, 5]"), (
+            status.reason
+        )
         assert rx.allocator.num_free == free_before and rx.num_fenced_pages == 0
         # Rank 1 dies holding the destinations: its pages stay fenced until the decode finds its
         # connection closed (the cancel it sends cannot be routed), never on a timer.
@@ -567,8 +581,7 @@ FAULTS = [  # (fault of rank 1, cp_size, which report field names the bad positi
 
 
 @pytest.mark.parametrize("fault,cp_size,field", FAULTS, ids=[f[0] for f in FAULTS])
-def test_bad_manifest_fails_cleanly_and_the_next_request_commits(ranks, decode_engine, fault,
-                                                                  cp_size, field):
+def test_bad_manifest_fails_cleanly_and_the_next_request_commits(ranks, decode_engine, fault, cp_size, field):
     case = Case(cp_size, "fp8", seed=6)
     ranks.setup(case)
     rx = make_receiver(case, decode_engine, timeout_s=10)

@@ -69,9 +69,11 @@ def page(buffers: KVBuffers, b: int, q: int) -> torch.Tensor:
 def wrong_positions(decode: KVBuffers, shards: list[KVBuffers], pages: list[int], dst: list[int]) -> list[int]:
     """Positions whose decode page differs from the owner's shard page in any buffer."""
     n = len(shards)
-    return [k for k, (p, q) in enumerate(zip(pages, dst))
-            if any(not torch.equal(page(decode, b, q), page(shards[p % n], b, p // n))
-                   for b in range(len(decode.flat())))]
+    return [
+        k
+        for k, (p, q) in enumerate(zip(pages, dst))
+        if any(not torch.equal(page(decode, b, q), page(shards[p % n], b, p // n)) for b in range(len(decode.flat())))
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +87,10 @@ class Group:
     def __init__(self, engine, cp_size: int, local_pages: int = 64, secret=SECRET, seed: int = 0, **kwargs):
         self.cp_size = cp_size
         self.shards = [make_pool(local_pages, seed=100 * seed + r + 1) for r in range(cp_size)]
-        self.senders = [OwnedPageSender(s, r, cp_size, engine=engine, secret=secret, timeout_s=10, **kwargs)
-                        for r, s in enumerate(self.shards)]
+        self.senders = [
+            OwnedPageSender(s, r, cp_size, engine=engine, secret=secret, timeout_s=10, **kwargs)
+            for r, s in enumerate(self.shards)
+        ]
 
     def send_all(self, address, request_id, pages, nonce, ranks=None):
         """Every rank sends at once (threads): a rank's want waits for the decode's expect()."""
@@ -168,10 +172,11 @@ def hostile_frames(layout: dict) -> list[list[bytes]]:
     enc = msgspec.msgpack.encode
     nested = b"\x91" * 100_000 + b"\x00"  # 100k nested msgpack arrays
     return [
-        [b"junk"], [b"", b"not msgpack \xff"], [b"", b"", b""],
+        [b"junk"],
+        [b"", b"not msgpack \xff"],
+        [b"", b"", b""],
         [b"", enc({"type": ["want"]})],  # a type that is a list
-        [b"", enc({"type": "want", "request_id": 1, "nonce": 1, "cp_size": 2, "num_pages": 3,
-                   "num_owned": [[[[1]]]]})],
+        [b"", enc({"type": "want", "request_id": 1, "nonce": 1, "cp_size": 2, "num_pages": 3, "num_owned": [[[[1]]]]})],
         [b"", nested],
         [b"", b'{"type": "want", "request_id": ' + b"9" * 5000 + b"}"],  # the old JSON wire, 5000 digits
         [b"", enc({"type": "manifest", "request_id": "x", "cp_size": 20_000_000})],
@@ -205,11 +210,16 @@ def test_hostile_frames_never_stop_the_receiver(engine):
         for _ in range(300):
             body = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
             if rng.random() < 0.5:
-                body = msgspec.msgpack.encode({"type": rng.choice(["want", "manifest", "abort", "hello", "auth"]),
-                                               "request_id": rng.choice([1, "r", [1], None, 2**63 - 1]),
-                                               "nonce": rng.choice([0, 1, -1, 2**63 - 1, "n"]),
-                                               "rank": rng.randrange(-2, 3), "cp_size": rng.choice([2, 0, 2 * 10**7]),
-                                               "positions": [rng.randrange(-5, 5) for _ in range(rng.randrange(4))]})
+                body = msgspec.msgpack.encode(
+                    {
+                        "type": rng.choice(["want", "manifest", "abort", "hello", "auth"]),
+                        "request_id": rng.choice([1, "r", [1], None, 2**63 - 1]),
+                        "nonce": rng.choice([0, 1, -1, 2**63 - 1, "n"]),
+                        "rank": rng.randrange(-2, 3),
+                        "cp_size": rng.choice([2, 0, 2 * 10**7]),
+                        "positions": [rng.randrange(-5, 5) for _ in range(rng.randrange(4))],
+                    }
+                )
             attacker.send([rng.choice([b"", os.urandom(32)]), body])
         commit(rx, group, "after-hostile", list(range(8)))
         assert rx.stats.dropped > 200, rx.stats
@@ -231,19 +241,34 @@ def test_authenticated_rank_with_absurd_claims_fails_only_its_request_fast(engin
         assert type(rogue.authenticate(1, 2, rx.buffers.layout())).__name__ == "Welcome"
         nonce = new_nonce()
         rx.expect("absurd", 4, 2, nonce=nonce)
-        huge = msgspec.msgpack.encode({
-            "type": "manifest", "request_id": "absurd", "nonce": nonce, "rank": 1, "cp_size": 20_000_000,
-            "num_pages": 20_000_000, "positions": [], "logical_pages": [], "checksums": [], "nbytes": 0,
-            "num_transfers": 0})
+        huge = msgspec.msgpack.encode(
+            {
+                "type": "manifest",
+                "request_id": "absurd",
+                "nonce": nonce,
+                "rank": 1,
+                "cp_size": 20_000_000,
+                "num_pages": 20_000_000,
+                "positions": [],
+                "logical_pages": [],
+                "checksums": [],
+                "nbytes": 0,
+                "num_transfers": 0,
+            }
+        )
         start = time.monotonic()
         rogue.send([auth.sign(rogue.key, TO_DECODE, huge), huge])  # keyed, but out of bounds: dropped
         time.sleep(0.2)
         assert isinstance(rx.poll("absurd"), Pending) and rx.stats.dropped == 1, rx.stats
         cases = [  # (message, what the reason names)
-            (Want("absurd", nonce, 2, 9, 2), "asked for a request of 9 pages from a CP group of 2; the decode "
-                                              "expected 4 pages from 2"),
-            (Manifest("absurd", nonce, 1, 2, 4, tuple(range(6)), tuple(range(6)), (0,) * 6, 0, 0),
-             "6 positions, 6 pages and 6 checksums for a request of 4 pages"),
+            (
+                Want("absurd", nonce, 2, 9, 2),
+                "asked for a request of 9 pages from a CP group of 2; the decode expected 4 pages from 2",
+            ),
+            (
+                Manifest("absurd", nonce, 1, 2, 4, tuple(range(6)), tuple(range(6)), (0,) * 6, 0, 0),
+                "6 positions, 6 pages and 6 checksums for a request of 4 pages",
+            ),
         ]
         for i, (msg, needle) in enumerate(cases):
             if i:
@@ -265,12 +290,26 @@ def test_authenticated_rank_with_absurd_claims_fails_only_its_request_fast(engin
             rid = rng.choice([*nonces, "nobody"])
             nonce = nonces.get(rid, 1) if rng.random() < 0.8 else rng.randrange(1, 1 << 62)
             pages = tuple(rng.choice([0, 1, 3, 4, 7, 2**40, 2**63 - 1]) for _ in range(rng.randrange(0, 6)))
-            rogue.send_msg(rng.choice([
-                Want(rid, nonce, rng.choice([1, 2, 3]), rng.choice([1, 4, 5]), rng.randrange(0, 6)),
-                Manifest(rid, nonce, 1, rng.choice([1, 2]), rng.choice([4, 1]), pages, pages, pages[::-1],
-                         rng.randrange(1 << 40), rng.randrange(99)),
-                protocol.Abort(rid, nonce, "x" * rng.randrange(3000), rng.random() < 0.5),
-            ]))
+            rogue.send_msg(
+                rng.choice(
+                    [
+                        Want(rid, nonce, rng.choice([1, 2, 3]), rng.choice([1, 4, 5]), rng.randrange(0, 6)),
+                        Manifest(
+                            rid,
+                            nonce,
+                            1,
+                            rng.choice([1, 2]),
+                            rng.choice([4, 1]),
+                            pages,
+                            pages,
+                            pages[::-1],
+                            rng.randrange(1 << 40),
+                            rng.randrange(99),
+                        ),
+                        protocol.Abort(rid, nonce, "x" * rng.randrange(3000), rng.random() < 0.5),
+                    ]
+                )
+            )
         time.sleep(0.5)
         for rid in nonces:
             assert not isinstance(rx.poll(rid), Committed), rid  # rank 0 never sent a manifest

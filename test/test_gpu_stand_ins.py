@@ -24,7 +24,9 @@ def _load_architecture_specific_ops():
 """
 
 
-def _run(tmp_path, body: str, env_extra: dict | None = None, with_sgl_kernel: bool = True) -> subprocess.CompletedProcess:
+def _run(
+    tmp_path, body: str, env_extra: dict | None = None, with_sgl_kernel: bool = True
+) -> subprocess.CompletedProcess:
     if with_sgl_kernel:
         pkg = tmp_path / "sgl_kernel"
         pkg.mkdir(exist_ok=True)
@@ -38,7 +40,9 @@ def _run(tmp_path, body: str, env_extra: dict | None = None, with_sgl_kernel: bo
 
 
 def test_imports_pass_and_calls_raise_naming_the_op(tmp_path):
-    out = _run(tmp_path, """
+    out = _run(
+        tmp_path,
+        """
         import os
         g.install()
         assert os.environ["SGLANG_ENABLE_JIT_DEEPGEMM"] == "0"
@@ -63,7 +67,8 @@ def test_imports_pass_and_calls_raise_naming_the_op(tmp_path):
         assert all(caller.startswith("<string>:") for _, caller, _ in g.uses()), g.uses()
         g.install()  # idempotent
         print(g.report())
-    """)
+    """,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "raised: sgl_kernel.common_ops.rmsnorm is a stand-in" in out.stdout
     assert "raised: torch.ops.sgl_kernel.rmsnorm is not loaded" in out.stdout

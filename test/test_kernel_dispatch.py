@@ -54,7 +54,9 @@ def test_a_layout_the_kernel_cannot_take_uses_the_reference_for_that_call(auto_o
 
     monkeypatch.setattr(copy_rows, "scatter_rows_triton", unsupported)
     src, index = _rows(3), torch.tensor([2, -1, 0])
-    with pytest.warns(RuntimeWarning, match="scatter_rows: the triton kernel cannot take this input .*needs contiguous rows"):
+    with pytest.warns(
+        RuntimeWarning, match="scatter_rows: the triton kernel cannot take this input .*needs contiguous rows"
+    ):
         got = kernels.scatter_rows(torch.zeros(4, 8, dtype=torch.uint8), index, src)
     assert torch.equal(got, copy_rows.scatter_rows_torch(torch.zeros(4, 8, dtype=torch.uint8), index, src))
     with warnings.catch_warnings():

@@ -54,7 +54,7 @@ ROW_KINDS = [
 
 @pytest.fixture
 def seed() -> int:
-    value = (envs.SGLANG_NSA_CP_TEST_SEED.get() or int.from_bytes(os.urandom(4), "little"))
+    value = envs.SGLANG_NSA_CP_TEST_SEED.get() or int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(value)
     return value
 
@@ -173,8 +173,12 @@ def test_store_owned_rows(seed, cp_size, page_size, kind, dtype, width):
     rows = random_rows(tokens, dtype, width)
     shard_rows = pages // cp_size * page_size
     for rank in range(cp_size):
-        got = copy_rows.store_owned_rows_triton(poisoned(shard_rows, dtype, width), slots.int(), rows, rank, cp_size, page_size)
-        want = copy_rows.store_owned_rows_torch(poisoned(shard_rows, dtype, width), slots, rows, rank, cp_size, page_size)
+        got = copy_rows.store_owned_rows_triton(
+            poisoned(shard_rows, dtype, width), slots.int(), rows, rank, cp_size, page_size
+        )
+        want = copy_rows.store_owned_rows_torch(
+            poisoned(shard_rows, dtype, width), slots, rows, rank, cp_size, page_size
+        )
         assert_bytes_equal(f"store {kind} {cp_size=} {page_size=} {rank=} {tokens=} {seed=}", got, want)
 
 
@@ -194,8 +198,12 @@ def test_store_owned_mla_fp8(seed, cp_size, page_size):
     kv = bf16_latent(tokens)
     shard_rows = pages // cp_size * page_size
     for rank in range(cp_size):
-        got = mla_fp8_store.store_owned_mla_fp8_triton(poisoned(shard_rows, torch.uint8, 656), slots, kv, rank, cp_size, page_size)
-        want = mla_fp8_store.store_owned_mla_fp8_torch(poisoned(shard_rows, torch.uint8, 656), slots, kv, rank, cp_size, page_size)
+        got = mla_fp8_store.store_owned_mla_fp8_triton(
+            poisoned(shard_rows, torch.uint8, 656), slots, kv, rank, cp_size, page_size
+        )
+        want = mla_fp8_store.store_owned_mla_fp8_torch(
+            poisoned(shard_rows, torch.uint8, 656), slots, kv, rank, cp_size, page_size
+        )
         assert_bytes_equal(f"fp8 store {cp_size=} {page_size=} {rank=} {tokens=} {seed=}", got, want)
 
 

@@ -101,9 +101,13 @@ def test_gather_and_scatter(seed, kind, dtype, width, tokens_per_row, tokens, in
     index = with_skips(torch.randperm(rows, device=DEV)).to(index_dtype)
     name = f"{kind} {tokens=} {index_dtype} {seed=}"
     got = copy_rows.gather_rows_triton(src, index, poisoned(rows, dtype, width))
-    assert_bytes_equal(f"gather {name}", got, copy_rows.gather_rows_torch(src, index.long(), poisoned(rows, dtype, width)))
+    assert_bytes_equal(
+        f"gather {name}", got, copy_rows.gather_rows_torch(src, index.long(), poisoned(rows, dtype, width))
+    )
     got = copy_rows.scatter_rows_triton(poisoned(rows, dtype, width), index, src)
-    assert_bytes_equal(f"scatter {name}", got, copy_rows.scatter_rows_torch(poisoned(rows, dtype, width), index.long(), src))
+    assert_bytes_equal(
+        f"scatter {name}", got, copy_rows.scatter_rows_torch(poisoned(rows, dtype, width), index.long(), src)
+    )
 
 
 @pytest.mark.parametrize("cp_size", [2, 3, 4, 8])
@@ -115,7 +119,9 @@ def test_store_owned_rows(seed, cp_size, kind, dtype, width):
     rows = random_rows(tokens, dtype, width)
     shard_rows = pages // cp_size * PAGE
     for rank in (0, cp_size - 1):
-        got = copy_rows.store_owned_rows_triton(poisoned(shard_rows, dtype, width), slots.int(), rows, rank, cp_size, PAGE)
+        got = copy_rows.store_owned_rows_triton(
+            poisoned(shard_rows, dtype, width), slots.int(), rows, rank, cp_size, PAGE
+        )
         want = copy_rows.store_owned_rows_torch(poisoned(shard_rows, dtype, width), slots, rows, rank, cp_size, PAGE)
         assert_bytes_equal(f"store {kind} {cp_size=} {rank=} {seed=}", got, want)
 
@@ -131,7 +137,9 @@ def test_store_owned_mla_fp8(fp8_store, seed, cp_size, tokens):
     shard_rows = pages // cp_size * PAGE
     for rank in (0, cp_size - 1):
         got = fp8_store(poisoned(shard_rows, torch.uint8, 656), slots, kv, rank, cp_size, PAGE)
-        want = mla_fp8_store.store_owned_mla_fp8_torch(poisoned(shard_rows, torch.uint8, 656), slots, kv, rank, cp_size, PAGE)
+        want = mla_fp8_store.store_owned_mla_fp8_torch(
+            poisoned(shard_rows, torch.uint8, 656), slots, kv, rank, cp_size, PAGE
+        )
         assert_bytes_equal(f"fp8 store {cp_size=} {tokens=} {rank=} {seed=}", got, want)
 
 
@@ -151,7 +159,9 @@ def every_scale_and_value_rows(amax_bits: torch.Tensor) -> torch.Tensor:
     blocks = -(-x.numel() // per_block)
     blocks += -blocks % 4  # whole rows of four blocks
     amax = amax_bits.to(torch.int16).view(torch.bfloat16)[:, None]
-    values = torch.where(x.float().abs()[None, :] <= amax.float(), x[None, :], torch.zeros((), dtype=torch.bfloat16, device=DEV))
+    values = torch.where(
+        x.float().abs()[None, :] <= amax.float(), x[None, :], torch.zeros((), dtype=torch.bfloat16, device=DEV)
+    )
     values = torch.nn.functional.pad(values, (0, blocks * per_block - x.numel()))
     tile = torch.cat([amax.expand(-1, blocks).reshape(-1, 1), values.reshape(-1, per_block)], 1)
     nope = tile.reshape(-1, 512)

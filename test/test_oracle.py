@@ -44,7 +44,11 @@ def test_cp_paths_match_the_single_rank(cp_size, split, page_size):
     replicated = report["paths"]["replicated"]
     assert max(shared["kv_bytes_per_rank"]) * cp_size == replicated["kv_bytes_per_rank"][0]
     # Every page of the requests is held by every replicated rank and by exactly one shared rank.
-    assert sum(shared["held_pages_per_rank"]) == replicated["held_pages_per_rank"][0] == report["paths"]["single"]["held_pages"]
+    assert (
+        sum(shared["held_pages_per_rank"])
+        == replicated["held_pages_per_rank"][0]
+        == report["paths"]["single"]["held_pages"]
+    )
     # The shared path's tail moves one row per request per rank, never the whole chunk.
     assert "tail_full" not in shared["bytes_moved"] and "tail_narrow" not in replicated["bytes_moved"]
 

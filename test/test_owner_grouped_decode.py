@@ -75,7 +75,9 @@ def run_layouts(rank, world, group, model_path):
     toks = {i: torch.randint(2, H.TINY_V32["vocab_size"], (n + STEPS,), generator=g) for i, n in PROMPTS.items()}
     engine.run(engine.forward_batch(list(PROMPTS.items()), toks))
     req = engine.requests
-    layouts = {"request order": (engine.pool, (engine.req_to_token.clone(), req.pages, req.lens, list(range(47, 12, -1))))}
+    layouts = {
+        "request order": (engine.pool, (engine.req_to_token.clone(), req.pages, req.lens, list(range(47, 12, -1))))
+    }
     for cp in (2, 4):  # the transfer, before any decode step writes the prefill's pool
         rows = engine.req_to_token.clone()
         first = 20 if cp == 2 else 32  # the decode's own pages, dealt out grouped by owner

@@ -31,7 +31,9 @@ pytestmark = pytest.mark.timeout(240)
 def check_pd(report: dict) -> None:
     assert report["committed"], report.get("failures")
     assert report["transfer_exact"], "a decode page differs from its owner's shard page"
-    mismatched = {k: (r["tokens"], r["single_tokens"]) for k, r in report["requests"].items() if r["tokens"] != r["single_tokens"]}
+    mismatched = {
+        k: (r["tokens"], r["single_tokens"]) for k, r in report["requests"].items() if r["tokens"] != r["single_tokens"]
+    }
     assert report["decoded_tokens_match"] and not mismatched, mismatched
     for part, kv in report["kv"].items():  # transferred positions, then the decoded ones
         assert kv["rows"] > 0
@@ -85,8 +87,23 @@ def test_four_prefill_ranks_to_one_decode():
 
 def test_demo_with_pd_writes_the_pd_check(tmp_path):
     out = tmp_path / "demo.json"
-    cmd = [sys.executable, "-m", "sglang_nsa_cp", "demo", "--cp", "2", "--extend-lens", "40,9", "--prefix-lens", "21,0",
-           "--pd", "--decode-steps", "2", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang_nsa_cp",
+        "demo",
+        "--cp",
+        "2",
+        "--extend-lens",
+        "40,9",
+        "--prefix-lens",
+        "21,0",
+        "--pd",
+        "--decode-steps",
+        "2",
+        "--json",
+        str(out),
+    ]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -144,8 +144,10 @@ def test_index_key_fp8_round_trip():
 def test_rope_scores_depend_only_on_relative_position():
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 1, 16, generator=gen, dtype=torch.float64)
+
     def score(pq: int, pk: int) -> torch.Tensor:
         return (apply_rope(q, torch.tensor([pq]), 1e4) * apply_rope(k, torch.tensor([pk]), 1e4)).sum()
+
     assert_close(score(10, 3), score(1010, 1003), rtol=1e-12, atol=1e-12, what="shifted pair")
     assert not torch.allclose(score(10, 3), score(10, 4))
 

@@ -18,7 +18,7 @@ _spec = importlib.util.spec_from_file_location("run_suite", SCRIPT)
 RS = sys.modules["run_suite"] = importlib.util.module_from_spec(_spec)  # scripts/ is not a package
 _spec.loader.exec_module(RS)
 
-REGISTERED = '''
+REGISTERED = """
 import sys
 
 import pytest
@@ -33,11 +33,11 @@ def test_ok():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
-'''
-UNREGISTERED = '''
+"""
+UNREGISTERED = """
 def test_new():
     pass
-'''
+"""
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -83,8 +83,10 @@ def test_an_unregistered_file_stops_the_run_naming_it_and_the_fix(tmp_path):
     [
         (REGISTERED.replace("if __name__", "if False and __name__"), 'has no `if __name__ == "__main__":` entry'),
         (REGISTERED.replace('suite="nsa-cp-test-cpu"', 'suite="base-a-test-cpu"'), "suite 'base-a-test-cpu' on CPU"),
-        (REGISTERED.replace("register_cpu_ci(est_time=1,", "register_cuda_ci(est_time=1,"),
-         "suite 'nsa-cp-test-cpu' on CUDA"),
+        (
+            REGISTERED.replace("register_cpu_ci(est_time=1,", "register_cuda_ci(est_time=1,"),
+            "suite 'nsa-cp-test-cpu' on CUDA",
+        ),
         (REGISTERED.replace("est_time=1", "est_time=ONE"), "est_time is a required constant"),
     ],
     ids=["no-main-entry", "unknown-suite", "cpu-suite-on-cuda", "est-time-not-a-constant"],
@@ -125,7 +127,12 @@ def test_bad_arguments_are_refused(argv, message, capsys):
 def test_arguments_after_double_dash_go_to_pytest():
     args = RS.parse_args(["--per-file", "--", "-k", "zigzag", "-x"])
     assert args.per_file and args.pytest_args == ["-k", "zigzag", "-x"]
-    assert RS.pytest_command(["test/test_split.py"], args.pytest_args)[-4:] == ["-k", "zigzag", "-x", "test/test_split.py"]
+    assert RS.pytest_command(["test/test_split.py"], args.pytest_args)[-4:] == [
+        "-k",
+        "zigzag",
+        "-x",
+        "test/test_split.py",
+    ]
 
 
 if __name__ == "__main__":

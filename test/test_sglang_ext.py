@@ -143,14 +143,18 @@ def test_flag_parses_and_survives_pickling(plugin, models):
     assert getattr(pickle.loads(pickle.dumps(on)), REQUEST_ATTR) is True  # what scheduler processes receive
 
 
-@pytest.mark.parametrize("model,kv_dtype", [("v32", "bfloat16"), ("glm5", "bfloat16"), ("v32", "fp8_e4m3"), ("glm5", "fp8_e4m3")])
+@pytest.mark.parametrize(
+    "model,kv_dtype", [("v32", "bfloat16"), ("glm5", "bfloat16"), ("v32", "fp8_e4m3"), ("glm5", "fp8_e4m3")]
+)
 def test_supported_configuration_resolves_enabled_and_reaches_the_schedulers(plugin, models, sm90, model, kv_dtype):
     from sglang.srt.arg_groups.overrides import resolving_view
 
     from sglang_nsa_cp.sglang_ext.server_args import ATTR
 
     # SGLang's fp8 default prefill backend on SM90 is flashmla_kv: the fp8 deployment names flashmla_sparse
-    server_args = _resolve(_argv(models[model], {"--kv-cache-dtype": kv_dtype, "--dsa-prefill-backend": "flashmla_sparse"}))
+    server_args = _resolve(
+        _argv(models[model], {"--kv-cache-dtype": kv_dtype, "--dsa-prefill-backend": "flashmla_sparse"})
+    )
     assert getattr(server_args, ATTR) is True
     assert getattr(pickle.loads(pickle.dumps(server_args)), ATTR) is True
     cfg = resolving_view(server_args)
@@ -195,19 +199,49 @@ BAD = [
     ("not a DSA model", "v3", {}, "needs a DSA model"),
     ("no prefill CP", "v32", {"--enable-prefill-cp": DROP, "--attn-cp-size": "1"}, "needs prefill CP"),
     ("zigzag", "glm5", {"--cp-strategy": "zigzag"}, "supports --cp-strategy interleave only"),
-    ("layer split", "glm5", {"--enable-dsa-cache-layer-split": None}, "cannot be combined with --enable-dsa-cache-layer-split"),
+    (
+        "layer split",
+        "glm5",
+        {"--enable-dsa-cache-layer-split": None},
+        "cannot be combined with --enable-dsa-cache-layer-split",
+    ),
     ("kv sharding", "v32", {"--enable-kv-cache-sharding": None}, "cannot be combined with --enable-kv-cache-sharding"),
     ("colocated", "v32", {"--disaggregation-mode": DROP}, "runs only on a PD prefill instance"),
     ("nixl", "v32", {"--disaggregation-transfer-backend": "nixl"}, "ships owned pages over Mooncake only"),
-    ("fp8 KV, SGLang's default backend", "v32", {"--kv-cache-dtype": "fp8_e4m3"}, "supports --dsa-prefill-backend flashmla_sparse only"),
+    (
+        "fp8 KV, SGLang's default backend",
+        "v32",
+        {"--kv-cache-dtype": "fp8_e4m3"},
+        "supports --dsa-prefill-backend flashmla_sparse only",
+    ),
     ("tilelang", "v32", {"--dsa-prefill-backend": "tilelang"}, "supports --dsa-prefill-backend flashmla_sparse only"),
     ("HiCache", "v32", {"--enable-hierarchical-cache": None}, "does not support HiCache"),
-    ("speculative without MTP layer", "glm5", {"--speculative-algorithm": "EAGLE"}, "needs a checkpoint with one MTP layer"),
-    ("EAGLE3", "glm5_mtp", {"--speculative-algorithm": "EAGLE3"}, "supports speculative decoding with --speculative-algorithm EAGLE/NEXTN"),
-    ("multi-layer EAGLE", "v32_mtp", {"--speculative-algorithm": "NEXTN", "--enable-multi-layer-eagle": None}, "does not support --enable-multi-layer-eagle"),
+    (
+        "speculative without MTP layer",
+        "glm5",
+        {"--speculative-algorithm": "EAGLE"},
+        "needs a checkpoint with one MTP layer",
+    ),
+    (
+        "EAGLE3",
+        "glm5_mtp",
+        {"--speculative-algorithm": "EAGLE3"},
+        "supports speculative decoding with --speculative-algorithm EAGLE/NEXTN",
+    ),
+    (
+        "multi-layer EAGLE",
+        "v32_mtp",
+        {"--speculative-algorithm": "NEXTN", "--enable-multi-layer-eagle": None},
+        "does not support --enable-multi-layer-eagle",
+    ),
     ("PP", "v32", {"--pp-size": "2"}, "does not support pipeline parallelism"),
     ("TBO", "v32", {"--enable-two-batch-overlap": None}, "does not support --enable-two-batch-overlap"),
-    ("KV checksum", "v32", {"--disaggregation-enable-kv-checksum": None}, "does not support --disaggregation-enable-kv-checksum"),
+    (
+        "KV checksum",
+        "v32",
+        {"--disaggregation-enable-kv-checksum": None},
+        "does not support --disaggregation-enable-kv-checksum",
+    ),
     ("LayerNorm SP", "v32", {"--enable-layernorm-sp": None}, "does not support --enable-layernorm-sp"),
     ("dummy model", "dummy", {}, "needs a real DSA checkpoint"),
 ]
@@ -243,8 +277,9 @@ def test_page_size_other_than_64_is_refused():
         disaggregation_enable_kv_checksum=False,
         cuda_graph_config=SimpleNamespace(prefill=SimpleNamespace(backend="disabled")),
     )  # fmt: skip
-    with mock.patch.object(parallel_hook, "resolving_view", lambda sa: view), mock.patch.object(
-        parallel_hook, "_model_problems", lambda sa: []
+    with (
+        mock.patch.object(parallel_hook, "resolving_view", lambda sa: view),
+        mock.patch.object(parallel_hook, "_model_problems", lambda sa: []),
     ):
         assert parallel_hook.find_problems(object()) == [
             "needs the DSA page size 64, got --page-size 128; use --page-size 64"

@@ -57,7 +57,9 @@ def _rows(page: int, n: int) -> slice:
 def test_every_rank_makes_the_same_choices_and_host_pages_keep_their_owners(trips, case):
     n, num_pages = case
     t = trips[case]
-    assert [p % n for p in t["dev"]] == [(1 + i) % n for i in range(num_pages)], f"{n=}: {t['dev']} not cyclic from owner 1"
+    assert [p % n for p in t["dev"]] == [(1 + i) % n for i in range(num_pages)], (
+        f"{n=}: {t['dev']} not cyclic from owner 1"
+    )
     assert [p % n for p in t["host"]] == [p % n for p in t["dev"]], f"{n=}: host {t['host']} vs device {t['dev']}"
     assert [p % n for p in t["new"]] == [p % n for p in t["host"]], f"{n=}: loaded {t['new']} vs host {t['host']}"
 
@@ -72,10 +74,14 @@ def test_loaded_pages_hold_the_chain_bit_for_bit_like_the_replicated_pool(trips,
             latent, index = t["content"][layer][0][i], t["content"][layer][1][i]
             kv, idx = t["shards"][owner][layer]
             where = f"{n=}, chain page {i} (logical {page}, rank {owner}), layer {layer}"
-            assert torch.equal(kv[_rows(page, n), 0].view(torch.uint8), latent.view(torch.uint8)), f"{where}: latent rows"
+            assert torch.equal(kv[_rows(page, n), 0].view(torch.uint8), latent.view(torch.uint8)), (
+                f"{where}: latent rows"
+            )
             assert torch.equal(idx[page // n], index), f"{where}: index page"
             kv_rep, idx_rep = t["replicated_new"][i][layer]
-            assert torch.equal(kv_rep.view(torch.uint8), kv[_rows(page, n), 0].view(torch.uint8)), f"{where}: vs replicated"
+            assert torch.equal(kv_rep.view(torch.uint8), kv[_rows(page, n), 0].view(torch.uint8)), (
+                f"{where}: vs replicated"
+            )
             assert torch.equal(idx_rep, idx[page // n]), f"{where}: index vs replicated"
 
 

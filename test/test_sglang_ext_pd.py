@@ -135,7 +135,13 @@ def _publish(mode, cp_size, cp_rank, bootstrap_port, shared_kv):
         setattr(server_args, ATTR, True)  # what the plugin's start-up validation writes
     get_context().set_server_args(server_args)
     get_parallel().override_permanently(
-        tp_rank=cp_rank, attn_cp_rank=cp_rank, attn_tp_rank=0, attn_dp_rank=0, pp_rank=0, attn_dcp_rank=0, dp_rank=None,
+        tp_rank=cp_rank,
+        attn_cp_rank=cp_rank,
+        attn_tp_rank=0,
+        attn_dp_rank=0,
+        pp_rank=0,
+        attn_dcp_rank=0,
+        dp_rank=None,
         pp_group=SimpleNamespace(world_size=1, rank_in_group=0, is_first_rank=True, is_last_rank=True),
     )
     from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import init_mooncake_transfer_engine
@@ -182,7 +188,9 @@ def _wait(poll, done, deadline_s, what, interval_s=0.02):
 def _status_name(status):
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    return {int(getattr(KVPoll, n)): n for n in ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")}[int(status)]
+    return {
+        int(getattr(KVPoll, n)): n for n in ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")
+    }[int(status)]
 
 
 def _port_open(port):
@@ -216,7 +224,12 @@ class _Traffic:
         from sglang.srt.disaggregation.common.utils import FastQueue
         from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
-        traffic, get, transfer, send_aux = self, FastQueue.get, MooncakeKVManager._transfer_data, MooncakeKVManager.send_aux
+        traffic, get, transfer, send_aux = (
+            self,
+            FastQueue.get,
+            MooncakeKVManager._transfer_data,
+            MooncakeKVManager.send_aux,
+        )
 
         def tagged_get(q):
             item = get(q)
@@ -238,7 +251,11 @@ class _Traffic:
             finally:
                 traffic.local.aux = False
 
-        FastQueue.get, MooncakeKVManager._transfer_data, MooncakeKVManager.send_aux = tagged_get, counted_transfer, flagged_send_aux
+        FastQueue.get, MooncakeKVManager._transfer_data, MooncakeKVManager.send_aux = (
+            tagged_get,
+            counted_transfer,
+            flagged_send_aux,
+        )
 
 
 def _fill_shard(pool, rank, cp_size, kv="bfloat16", latent_pages=(), first_layer=0):
@@ -324,10 +341,15 @@ def _prefill_rank(rank, cp_size, bootstrap_port, requests, faults, results, stop
         _wait(lambda: _port_open(bootstrap_port), bool, 90, "bootstrap server", interval_s=0.2)
         draft_pool = None
         with get_parallel().override(attn_dcp_size=1, dcp_enabled=False):
-            pool = SharedKVDSATokenToKVPool(**_pool_kwargs((PREFILL_PAGES - 1) * PAGE, kv), cp_rank=rank, cp_size=cp_size, cp_group=None)
+            pool = SharedKVDSATokenToKVPool(
+                **_pool_kwargs((PREFILL_PAGES - 1) * PAGE, kv), cp_rank=rank, cp_size=cp_size, cp_group=None
+            )
             if draft:  # the MTP layer's own shard, as the configurator hook builds it for an EAGLE draft
                 draft_pool = SharedKVDSATokenToKVPool(
-                    **_pool_kwargs((PREFILL_PAGES - 1) * PAGE, kv, layers=1), cp_rank=rank, cp_size=cp_size, cp_group=None
+                    **_pool_kwargs((PREFILL_PAGES - 1) * PAGE, kv, layers=1),
+                    cp_rank=rank,
+                    cp_size=cp_size,
+                    cp_group=None,
                 )
         _fill_shard(pool, rank, cp_size, kv, sorted({p for req in requests for p in req["pages"]}))
         if draft_pool is not None:
@@ -367,8 +389,12 @@ def _prefill_rank(rank, cp_size, bootstrap_port, requests, faults, results, stop
             _wait(lambda: room not in traffic.slowed, lambda done: done, 30, f"room {room} late write")
             with traffic.lock:
                 stats = traffic.rooms.get(room, {"pages": [0, 0], "aux": [0, 0]})
-            return {"status": _status_name(status), "reason": reason, "stats": stats,
-                    "write_end": traffic.write_end.get(room)}
+            return {
+                "status": _status_name(status),
+                "reason": reason,
+                "stats": stats,
+                "write_end": traffic.write_end.get(room),
+            }
 
         def run(req):
             try:
@@ -410,13 +436,23 @@ def _decode(name, plugin, bootstrap_port, requests, results, stop, draft=False, 
         with get_parallel().override(attn_dcp_size=1, dcp_enabled=False):
             pool = DSATokenToKVPool(**_pool_kwargs((DECODE_PAGES - 1) * PAGE, kv))
             draft_pool = DSATokenToKVPool(**_pool_kwargs((DECODE_PAGES - 1) * PAGE, kv, layers=1)) if draft else None
-            expected_latent = lambda logical, layer: _pattern(logical, layer, 0, page_bytes)  # noqa: E731
+            replicated = None
             if kv != "bfloat16":  # what a replicated prefill (SGLang's own pool, every row) holds
                 replicated = DSATokenToKVPool(**_pool_kwargs((PREFILL_PAGES - 1) * PAGE, kv))
                 _write_latent(replicated, sorted({p for req in requests for p in req["pages"]}))
-                expected_latent = lambda logical, layer: replicated.kv_buffer[layer].view(torch.uint8).view(-1, page_bytes)[logical]  # noqa: E731
+
+        def expected_latent(logical, layer):
+            if replicated is None:
+                return _pattern(logical, layer, 0, page_bytes)
+            return replicated.kv_buffer[layer].view(torch.uint8).view(-1, page_bytes)[logical]
+
         # one entry per layer: the target's, then the MTP draft's (layer LAYERS)
-        latent = [p.kv_buffer[i].view(torch.uint8).view(-1, page_bytes) for p in (pool, draft_pool) if p is not None for i in range(p.layer_num)]
+        latent = [
+            p.kv_buffer[i].view(torch.uint8).view(-1, page_bytes)
+            for p in (pool, draft_pool)
+            if p is not None
+            for i in range(p.layer_num)
+        ]
         index = [p.index_key_cache.buffer[i] for p in (pool, draft_pool) if p is not None for i in range(p.layer_num)]
         for t in latent + index:
             t.fill_(SENTINEL)
@@ -457,8 +493,20 @@ def _decode(name, plugin, bootstrap_port, requests, results, stop, draft=False, 
                             wrong.append(("index", k, layer))
             untouched = [p for p in range(DECODE_PAGES) if p not in used]
             stray = [p for p in untouched for t in (latent + index) if not bool((t[p] == SENTINEL).all())]
-            results.put(("room", name, room, {"status": _status_name(status), "reason": reason, "wrong": wrong, "stray": stray,
-                                              "seconds": round(time.monotonic() - t_room, 2)}))
+            results.put(
+                (
+                    "room",
+                    name,
+                    room,
+                    {
+                        "status": _status_name(status),
+                        "reason": reason,
+                        "wrong": wrong,
+                        "stray": stray,
+                        "seconds": round(time.monotonic() - t_room, 2),
+                    },
+                )
+            )
         results.put(("done", name, None))
         stop.wait(timeout=300)
     except BaseException:
@@ -496,7 +544,9 @@ def _run(cp_size, decodes, prefill_requests, faults, timeout_s=240, draft=False,
     procs = {("prefill", r): ctx.Process(target=_prefill_rank, args=(r, cp_size, port, prefill_requests, faults, results, stop, draft, kv), daemon=True)
              for r in range(cp_size)}  # fmt: skip
     for name, (plugin, reqs) in decodes.items():
-        procs[("decode", name)] = ctx.Process(target=_decode, args=(name, plugin, port, reqs, results, stop, draft, kv), daemon=True)
+        procs[("decode", name)] = ctx.Process(
+            target=_decode, args=(name, plugin, port, reqs, results, stop, draft, kv), daemon=True
+        )
     for p in procs.values():
         p.start()
     reports = {"ready": {}, "room": {}, "done": set()}
@@ -508,7 +558,9 @@ def _run(cp_size, decodes, prefill_requests, faults, timeout_s=240, draft=False,
             except queue.Empty:
                 dead = [k for k, p in procs.items() if p.exitcode not in (None, 0)]
                 assert not dead, f"{dead} exited"
-                assert time.monotonic() < deadline, f"not done within {timeout_s} s: {sorted(map(str, reports['done']))} done"
+                assert time.monotonic() < deadline, (
+                    f"not done within {timeout_s} s: {sorted(map(str, reports['done']))} done"
+                )
                 continue
             kind, who = msg[0], msg[1]
             if kind == "error":
@@ -546,7 +598,9 @@ def _check_committed(reports, decode, req, cp_size, info, runs=None):
         assert sent["status"] == "Success", f"rank {rank}, room {req['room']}: {sent}"
         owned = len(_owned(req["pages"], rank, cp_size))
         page_bytes = owned * (sum(info["kv_item_lens"]) + sum(info["state_item_lens"][0]))
-        assert sent["stats"]["pages"][0] == page_bytes, f"rank {rank}, room {req['room']}: {sent['stats']} vs {owned} pages"
+        assert sent["stats"]["pages"][0] == page_bytes, (
+            f"rank {rank}, room {req['room']}: {sent['stats']} vs {owned} pages"
+        )
         assert sent["stats"]["aux"][0] == info["aux_bytes"]
         if runs is not None:  # batch entries: runs x (kv + index) x layers
             assert sent["stats"]["pages"][1] == runs[rank] * 2 * LAYERS, f"rank {rank}: {sent['stats']}"
@@ -785,8 +839,10 @@ def _hostile_manifest_frames():
         "oversized": unkeyed + b"\x00" * 10_000_000,
         "5000-digit int": MANIFEST_TAG + b"\x00" + b'{"rank": ' + b"9" * 5000 + b"}",
         "type is a list": unkeyed + msgspec.msgpack.encode({"room": 9, "rank": [1], "cp_size": 2, "kv": []}),
-        "2e7 CP ranks": unkeyed + msgspec.msgpack.encode({"room": 9, "rank": 1, "cp_size": 20_000_000,
-                                                         "kv": {"total": 20_000_000, "positions": [], "pages": []}}),
+        "2e7 CP ranks": unkeyed
+        + msgspec.msgpack.encode(
+            {"room": 9, "rank": 1, "cp_size": 20_000_000, "kv": {"total": 20_000_000, "positions": [], "pages": []}}
+        ),
         "not signed": encode_manifest(_manifest(1, [1, 3], [11, 13]), 9, 1, None),
         "signed with another key": encode_manifest(_manifest(1, [1, 3], [11, 13]), 9, 1, b"x" * 32),
         "replayed from another room": encode_manifest(_manifest(1, [1, 3], [11, 13]), 8, 1, SECRET),
@@ -831,7 +887,9 @@ def test_hooks_pass_through_when_shared_kv_is_off(monkeypatch):
     hooks.init_owner_sharded_manager(original, mgr, kv_args, DisaggregationMode.DECODE, "server_args")
     assert vars(mgr) == {hooks._SECRET: None} and len(calls) == 3
     with pytest.raises(NotImplementedError, match="Mooncake transfer backend only"):
-        hooks.init_owner_sharded_manager(original, SimpleNamespace(), kv_args, DisaggregationMode.PREFILL, "server_args")
+        hooks.init_owner_sharded_manager(
+            original, SimpleNamespace(), kv_args, DisaggregationMode.PREFILL, "server_args"
+        )
 
 
 def test_status_socket_refuses_frames_past_its_limit():
@@ -953,11 +1011,17 @@ def test_decode_thread_survives_hostile_manifest_frames_keyed_or_not():
             _deliver(mgr, room, 1, frame)  # forged, as rank 1
             assert time.monotonic() - start < 0.2, name
             if secret is None and frame is None:
-                assert mgr.request_status[room] == KVPoll.Failed and "without an owned-page manifest" in mgr.failure_records[room]
+                assert (
+                    mgr.request_status[room] == KVPoll.Failed
+                    and "without an owned-page manifest" in mgr.failure_records[room]
+                )
                 continue
             if secret is None:  # every one of them is malformed for room 10 + i (they name room 9)
                 assert mgr.request_status[room] == KVPoll.Failed, name
-                assert "malformed manifest from prefill rank 1" in mgr.failure_records[room], (name, mgr.failure_records[room])
+                assert "malformed manifest from prefill rank 1" in mgr.failure_records[room], (
+                    name,
+                    mgr.failure_records[room],
+                )
                 continue
             assert mgr.request_status[room] == KVPoll.WaitingForInput, (name, mgr.failure_records.get(room))
             _deliver(mgr, room, 1, encode_manifest(good[1], room, 1, secret))  # the real rank 1

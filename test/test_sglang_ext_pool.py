@@ -62,12 +62,21 @@ def test_logical_capacity_grows_n_times_for_the_same_memory(kv):
         stock_pool = DSATokenToKVPool(**_pool_kwargs(per_rank_tokens, kv))
         stock = stock_pool.get_kv_size_bytes()
         for n in (2, 4, 8):
-            pool = SharedKVDSATokenToKVPool(**_pool_kwargs(n * per_rank_tokens, kv), cp_rank=n - 1, cp_size=n, cp_group=None)
+            pool = SharedKVDSATokenToKVPool(
+                **_pool_kwargs(n * per_rank_tokens, kv), cp_rank=n - 1, cp_size=n, cp_group=None
+            )
             assert pool.size == n * per_rank_tokens
             # the shard has the stock pool's row format (what PD registers and sends)
             assert pool.dsa_kv_cache_store_fp8 == stock_pool.dsa_kv_cache_store_fp8 == (kv == "fp8")
-            assert (pool.kv_buffer[0].dtype, pool.kv_buffer[0].shape[1:]) == (stock_pool.kv_buffer[0].dtype, stock_pool.kv_buffer[0].shape[1:])
-            assert pool.get_contiguous_buf_infos()[2] == stock_pool.get_contiguous_buf_infos()[2] == [PAGE * KV_DTYPES[kv][2]] * LAYERS
+            assert (pool.kv_buffer[0].dtype, pool.kv_buffer[0].shape[1:]) == (
+                stock_pool.kv_buffer[0].dtype,
+                stock_pool.kv_buffer[0].shape[1:],
+            )
+            assert (
+                pool.get_contiguous_buf_infos()[2]
+                == stock_pool.get_contiguous_buf_infos()[2]
+                == [PAGE * KV_DTYPES[kv][2]] * LAYERS
+            )
             # ceil((32n + 1) / n) + 1 trash = 34 local pages vs the stock 33
             assert pool.get_kv_size_bytes() / stock == pytest.approx(34 / 33), f"{n=}"
 
@@ -89,7 +98,9 @@ def test_derive_pool_sizes_hook_scales_the_logical_capacity():
     target = SimpleNamespace(is_draft_worker=False, model_config=SimpleNamespace(hf_config=dsa))
     # An EAGLE (MTP) draft is sized from the target's unmultiplied config and must span the same
     # logical slots; other drafts are refused at start-up and left alone here.
-    mtp_draft = SimpleNamespace(is_draft_worker=True, model_config=target.model_config, spec_algorithm=SpeculativeAlgorithm.EAGLE)
+    mtp_draft = SimpleNamespace(
+        is_draft_worker=True, model_config=target.model_config, spec_algorithm=SpeculativeAlgorithm.EAGLE
+    )
     eagle3_draft = SimpleNamespace(**{**vars(mtp_draft), "spec_algorithm": SpeculativeAlgorithm.EAGLE3})
     original = lambda self, *, config: sizes  # noqa: E731
     with get_parallel().override(attn_cp_size=4):
@@ -102,9 +113,13 @@ def test_derive_pool_sizes_hook_scales_the_logical_capacity():
 
 
 def _configurator(context_len=1000, kv="bf16"):
-    dsa = SimpleNamespace(architectures=["GlmMoeDsaForCausalLM"], index_topk=2048, kv_lora_rank=512, qk_rope_head_dim=64)
+    dsa = SimpleNamespace(
+        architectures=["GlmMoeDsaForCausalLM"], index_topk=2048, kv_lora_rank=512, qk_rope_head_dim=64
+    )
     model_config = SimpleNamespace(hf_config=dsa, context_len=context_len, kv_lora_rank=512, qk_rope_head_dim=64)
-    return SimpleNamespace(is_draft_worker=False, model_config=model_config, page_size=PAGE, kv_cache_dtype=KV_DTYPES[kv][0])
+    return SimpleNamespace(
+        is_draft_worker=False, model_config=model_config, page_size=PAGE, kv_cache_dtype=KV_DTYPES[kv][0]
+    )
 
 
 @contextmanager
@@ -133,7 +148,13 @@ def test_build_dsa_kv_pool_hook_builds_the_shared_pool_for_this_cp_rank(kv):
     cp_group = SimpleNamespace(device_group="the CP device group")
     with _no_dcp(), envs.SGLANG_NSA_CP_SHARED_KV.override(True), _chunked_prefill(200):
         with get_parallel().override(attn_cp_rank=2, attn_cp_size=4, attn_cp_group=cp_group):
-            pool = build_dsa_kv_pool(original, configurator, max_total_num_tokens=8 * PAGE, max_running_requests=4, dsa_pool_class=DSATokenToKVPool)
+            pool = build_dsa_kv_pool(
+                original,
+                configurator,
+                max_total_num_tokens=8 * PAGE,
+                max_running_requests=4,
+                dsa_pool_class=DSATokenToKVPool,
+            )
             assert isinstance(pool, SharedKVDSATokenToKVPool)
             assert (pool.cp_rank, pool.cp_size, pool.cp_group) == (2, 4, "the CP device group")
             # scratch reserved at start-up: one 1000-token context (16 pages, 4 per rank) + a
@@ -141,14 +162,20 @@ def test_build_dsa_kv_pool_hook_builds_the_shared_pool_for_this_cp_rank(kv):
             page_bytes = PAGE * (KV_DTYPES[kv][2] + 132)
             assert pool.prefetcher.scratch_bytes() == 2 * (16 + 4 + 1) * page_bytes
             # an EAGLE (MTP) draft worker gets its own shard with the same owners and scratch
-            draft = SimpleNamespace(**{**vars(configurator), "is_draft_worker": True, "spec_algorithm": SpeculativeAlgorithm.EAGLE})
-            draft_pool = build_dsa_kv_pool(original, draft, max_total_num_tokens=8 * PAGE, max_running_requests=4, dsa_pool_class=DSATokenToKVPool)
+            draft = SimpleNamespace(
+                **{**vars(configurator), "is_draft_worker": True, "spec_algorithm": SpeculativeAlgorithm.EAGLE}
+            )
+            draft_pool = build_dsa_kv_pool(
+                original, draft, max_total_num_tokens=8 * PAGE, max_running_requests=4, dsa_pool_class=DSATokenToKVPool
+            )
             assert isinstance(draft_pool, SharedKVDSATokenToKVPool) and draft_pool.store is not pool.store
             assert (draft_pool.cp_rank, draft_pool.cp_size, draft_pool.size) == (2, 4, pool.size)
             assert draft_pool.prefetcher.scratch_bytes() == pool.prefetcher.scratch_bytes()
             # the charge against the KV budget is what the pool reserves
             with get_parallel().override(attn_cp_size=4):
-                assert scratch_bytes(lambda kvc, *, include_mtp=False: 0, configurator) == pool.prefetcher.scratch_bytes()
+                assert (
+                    scratch_bytes(lambda kvc, *, include_mtp=False: 0, configurator) == pool.prefetcher.scratch_bytes()
+                )
             with pytest.raises(RuntimeError, match="instead of the shared-KV pool"):
                 build_dsa_kv_pool(
                     lambda self, **kw: DSATokenToKVPool(**_pool_kwargs(8 * PAGE)),
@@ -174,8 +201,13 @@ def test_scratch_is_charged_against_the_kv_budget(kv):
             # 128k context: 2048 history pages + a 128-page chunk + the trash page, two halves
             assert scratch_bytes(original, _configurator(131072, kv)) == 4096 + 2 * (2048 + 128 + 1) * page_bytes
             # with an EAGLE (MTP) draft SGLang asks the target for both pools' scratch
-            assert scratch_bytes(original, _configurator(131072, kv), include_mtp=True) == 4096 + 2 * 2 * (2048 + 128 + 1) * page_bytes
-            draft = SimpleNamespace(**{**vars(_configurator()), "is_draft_worker": True, "spec_algorithm": SpeculativeAlgorithm.EAGLE})
+            assert (
+                scratch_bytes(original, _configurator(131072, kv), include_mtp=True)
+                == 4096 + 2 * 2 * (2048 + 128 + 1) * page_bytes
+            )
+            draft = SimpleNamespace(
+                **{**vars(_configurator()), "is_draft_worker": True, "spec_algorithm": SpeculativeAlgorithm.EAGLE}
+            )
             assert scratch_bytes(original, draft) == 4096
         with envs.SGLANG_NSA_CP_SHARED_KV.override(False):
             assert scratch_bytes(original, _configurator(131072)) == 4096

@@ -156,7 +156,9 @@ def _check_latent_views(pool, ref, meta, table, layer, where):
     rank's requests (bs_idx under CP), against the unmodified pool at the logical slots (bytes: an
     fp8 pool's rows are FlashMLA's 656-byte rows, typed float8_e4m3fn by both pools)."""
     dense, full = pool.get_key_buffer(layer), ref.get_key_buffer(layer)
-    assert dense.dtype == full.dtype and dense.shape[1:] == full.shape[1:], f"{where}: {dense.dtype} {dense.shape} vs {full.dtype} {full.shape}"
+    assert dense.dtype == full.dtype and dense.shape[1:] == full.shape[1:], (
+        f"{where}: {dense.dtype} {dense.shape} vs {full.dtype} {full.shape}"
+    )
     dense, full = dense.view(torch.uint8), full.view(torch.uint8)
     for j, kv_len in enumerate(meta.cache_seqlens_int32.tolist()):
         got = dense[meta.page_table_1[j, :kv_len].long()]
@@ -302,7 +304,9 @@ def _check_tail_gather(rank, n, group):
 
     cp_base.init_cp_strategy(enable_prefill_cp=True, cp_size=n, cp_strategy="interleave")
     coordinator = _GlooCoordinator(group, n, rank)
-    override = dict(attn_cp_rank=rank, attn_cp_size=n, attn_cp_group=coordinator, enable_cp_tp_group_sharing=False, attn_dp_size=1)
+    override = dict(
+        attn_cp_rank=rank, attn_cp_size=n, attn_cp_group=coordinator, enable_cp_tp_group_sharing=False, attn_dp_size=1
+    )
     shapes = []
     for b, (extend_lens, prefix_lens) in enumerate(TAIL_BATCHES):
         where = f"N={n}, rank={rank}, batch={b} {extend_lens=} {prefix_lens=}"
@@ -321,8 +325,12 @@ def _check_tail_gather(rank, n, group):
             capture_hidden_mode=CaptureHiddenMode.NULL,
             spec_info=None,
         )
-        meta = LogitsMetadata(forward_mode=ForwardMode.EXTEND, extend_seq_lens=fb.extend_seq_lens, extend_seq_lens_cpu=list(extend_lens))
-        hidden = torch.randn(num_tokens, 24, generator=torch.Generator().manual_seed(b))  # the model body's output, every token
+        meta = LogitsMetadata(
+            forward_mode=ForwardMode.EXTEND, extend_seq_lens=fb.extend_seq_lens, extend_seq_lens_cpu=list(extend_lens)
+        )
+        hidden = torch.randn(
+            num_tokens, 24, generator=torch.Generator().manual_seed(b)
+        )  # the model body's output, every token
         with get_parallel().override(**override):
             cp_utils.prepare_cp_forward(fb)
             local = cp_utils.cp_shard_hidden_states(hidden, fb)
@@ -353,7 +361,9 @@ def _rank_main(rank, world, group, configs):
     load_plugins()  # the plugin's entry point, as every SGLang process does
     out = {"pool": [], "tail": []}
     for n, kv, prefetch in configs:
-        groups = [dist.new_group(list(range(s, s + n))) for s in range(0, world, n)]  # collective, same order everywhere
+        groups = [
+            dist.new_group(list(range(s, s + n))) for s in range(0, world, n)
+        ]  # collective, same order everywhere
         sub_rank, sub_group = rank % n, groups[rank // n]
         pool_check = lambda: _run_scenario(sub_rank, n, sub_group, seed=7 + n, prefetch=prefetch, kv=kv)  # noqa: E731
         for key, check in (("pool", pool_check), ("tail", lambda: _check_tail_gather(sub_rank, n, sub_group))):

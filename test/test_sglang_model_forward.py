@@ -103,7 +103,9 @@ def test_cp2_replicated_matches_cp_off(runs):
     (off,) = runs["off"]
     for rank, r in enumerate(runs["replicated"]):
         assert r["pool"] == "DSATokenToKVPool"
-        assert [t["cp_active"] for t in r["trace"]] == [True, True, True, False], f"{rank=}: SGLang's CP path did not run"
+        assert [t["cp_active"] for t in r["trace"]] == [True, True, True, False], (
+            f"{rank=}: SGLang's CP path did not run"
+        )
         # SGLang's tail gather hands every token's hidden state to the logits processor
         assert [t.get("tail_rows") for t in r["trace"][:3]] == [sum(n for _, n in b) for b in H.BATCHES]
         _assert_same_logits(r["logits"], off["logits"], f"CP=2 replicated, rank {rank} vs CP off")
@@ -127,7 +129,9 @@ def test_cp4_shared_kv_matches_replicated_cp4(runs):
         assert r["pool"] == "SharedKVDSATokenToKVPool", f"{rank=}: {r['pool']}"
         _assert_same_logits(r["logits"], rep["logits"], f"CP=4 shared KV vs replicated, rank {rank}")
         for b, got in enumerate(r["logits"]):
-            assert torch.equal(got, rep["logits"][b]), f"CP=4 shared KV vs replicated, rank {rank}, batch {b}: not bitwise"
+            assert torch.equal(got, rep["logits"][b]), (
+                f"CP=4 shared KV vs replicated, rank {rank}, batch {b}: not bitwise"
+            )
 
 
 @pytest.mark.parametrize("run", SHARED_RUNS)
@@ -184,11 +188,15 @@ def test_fp8_kv_shared_matches_replicated_bit_for_bit(runs):
         assert r["pool"] == "SharedKVDSATokenToKVPool" and r["sharded_pool_seen"], f"{rank=}: {r['pool']}"
         assert r["pool_dtype"] == rep["pool_dtype"] == "torch.float8_e4m3fn", f"{rank=}"
         for b, (got, want) in enumerate(zip(r["logits"], rep["logits"])):
-            assert torch.equal(got, want), f"fp8 KV, rank {rank}, {'decode step' if b == 3 else f'prefill batch {b}'}: not bitwise"
+            assert torch.equal(got, want), (
+                f"fp8 KV, rank {rank}, {'decode step' if b == 3 else f'prefill batch {b}'}: not bitwise"
+            )
         for layer, (got, want) in enumerate(zip(r["decode_pool_latent"], rep["decode_pool_latent"])):
             assert got.shape[-1] == want.shape[-1] == 656, f"{rank=}, {layer=}: {tuple(got.shape)}"
             assert want.any(), f"{rank=}, {layer=}: the replicated prefill wrote nothing"
-            assert torch.equal(got, want), f"fp8 KV, rank {rank}, layer {layer}: decode pool bytes differ from the replicated prefill's"
+            assert torch.equal(got, want), (
+                f"fp8 KV, rank {rank}, layer {layer}: decode pool bytes differ from the replicated prefill's"
+            )
 
 
 def test_fp8_kv_matches_cp_off_and_is_not_the_bf16_cache(runs):

@@ -55,7 +55,9 @@ def _three_paths(cluster, ids, new_tokens=NEW_TOKENS):
     single server, concurrently. Returns the three output id lists."""
     with futures.ThreadPoolExecutor(3) as pool:
         shared = pool.submit(S.generate, cluster.router_url, ids, new_tokens)
-        replicated = pool.submit(S.generate_pd, cluster.servers["replicated"], cluster.servers["decode"], ids, new_tokens)
+        replicated = pool.submit(
+            S.generate_pd, cluster.servers["replicated"], cluster.servers["decode"], ids, new_tokens
+        )
         single = pool.submit(S.generate, cluster.servers["single"].url, ids, new_tokens)
         try:
             _, rep_decode = replicated.result()
@@ -215,7 +217,9 @@ def test_killed_cp_rank_fails_the_request_and_the_prefill_exits(cluster):
         os.kill(victim, 9)
         killed_at = time.monotonic()
         answer = pending.result()
-    print(f"client answer {time.monotonic() - killed_at:.1f} s after the kill: {answer.status_code} {answer.text[:300]}")
+    print(
+        f"client answer {time.monotonic() - killed_at:.1f} s after the kill: {answer.status_code} {answer.text[:300]}"
+    )
     assert answer.status_code >= 400, f"a request whose CP rank died returned {answer.status_code}: {answer.text}"
     assert "output_ids" not in answer.text and "KVTransferError" in answer.text, answer.text
     # the prefill server exits by itself: SGLang's launcher tears the whole group down

@@ -59,7 +59,9 @@ def _store_pair(rank, world, fp8, page_size, num_pages, latent_dim):
 
 def _check_all_layouts(rank, world, group, mode):
     return [
-        _check_materialize_matches_replicated(rank, world, group, mode, page_size, fp8, prefetch, world * 7 + page_size + fp8)
+        _check_materialize_matches_replicated(
+            rank, world, group, mode, page_size, fp8, prefetch, world * 7 + page_size + fp8
+        )
         for page_size, fp8, prefetch in ((16, False, True), (64, True, False), (16, True, True), (64, False, False))
     ]
 
@@ -78,7 +80,9 @@ def _check_materialize_matches_replicated(rank, world, group, mode, page_size, f
     table = RequestPageTable(OwnerClassedAllocator(num_pages, world), page_size)
     shared, replicated = _store_pair(rank, world, fp8, page_size, num_pages, latent_dim)
     counter = TrafficCounter()
-    prefetcher = HistoryPrefetcher(shared, group, enabled=prefetch, counter=counter)  # one per store, as the pool keeps it
+    prefetcher = HistoryPrefetcher(
+        shared, group, enabled=prefetch, counter=counter
+    )  # one per store, as the pool keeps it
     stats = []
     for c, chunk in enumerate(_chunks(seed)):
         if c == 2:  # request "f" hits the radix cache on a's first whole pages
@@ -313,7 +317,9 @@ def _check_shard_ready(rank, world, group):
 
     got = gathered(HistoryPrefetcher(store, group, shard_ready=shard_ready))
     for layer in range(3):
-        assert all(torch.equal(g, w) for g, w in zip(got[layer], want[layer])), f"{rank=}, {layer=}: gathered before it landed"
+        assert all(torch.equal(g, w) for g, w in zip(got[layer], want[layer])), (
+            f"{rank=}, {layer=}: gathered before it landed"
+        )
     return calls
 
 
@@ -359,7 +365,9 @@ def test_plan_refuses_slots_and_pages_it_cannot_place():
 def test_plan_catches_a_chunk_page_that_is_also_cached():
     """An allocator bug (a fresh page still holding a cached prefix) must not silently alias."""
     with pytest.raises(AssertionError, match="also cached pages: 1"):
-        build_dense_plan(torch.tensor([[6, 3], [6, 6]]), [4, 4], [8, 8], page_size=4, cp_size=2, rank=0, num_logical_pages=12)
+        build_dense_plan(
+            torch.tensor([[6, 3], [6, 6]]), [4, 4], [8, 8], page_size=4, cp_size=2, rank=0, num_logical_pages=12
+        )
 
 
 if __name__ == "__main__":

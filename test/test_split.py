@@ -65,9 +65,7 @@ def test_positions_requests_and_causal_lengths(batch):
 def test_page_zigzag_gives_each_new_page_one_computing_rank(batch):
     extend, prefix, cp_size, _, page_size = batch
     plan = plan_split(extend, prefix, cp_size, "page_zigzag", page_size)
-    enough_pages = all(
-        (p + e - 1) // page_size - p // page_size + 1 >= 2 * cp_size for p, e in zip(prefix, extend)
-    )
+    enough_pages = all((p + e - 1) // page_size - p // page_size + 1 >= 2 * cp_size for p, e in zip(prefix, extend))
     assert plan.page_aligned == enough_pages
     if not plan.page_aligned:
         return

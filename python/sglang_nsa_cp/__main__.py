@@ -42,24 +42,50 @@ def _parser() -> argparse.ArgumentParser:
 
 def _print_report(report: dict) -> None:
     s, paths, kv = report["scenario"], report["paths"], report["kv_per_rank"]
-    print(f"scenario: cp={s['cp_size']} split={s['split']} page_size={s['page_size']} config={s['config']} dtype={s['dtype']}")
+    print(
+        f"scenario: cp={s['cp_size']} split={s['split']} page_size={s['page_size']} config={s['config']} dtype={s['dtype']}"
+    )
     print(f"chunks:   {s['chunks']}")
     print()
     single = paths["single"]
-    rows = [["path", "oracle", "max rel logit err", "top-k identical", "pages held", "KV bytes held", "KV pool bytes", "wall s"]]
-    rows.append(["single", "-", "-", "-", str(single["held_pages"]), str(single["held_bytes"]), str(single["kv_bytes"]), f"{single['seconds']:.1f}"])
+    rows = [
+        [
+            "path",
+            "oracle",
+            "max rel logit err",
+            "top-k identical",
+            "pages held",
+            "KV bytes held",
+            "KV pool bytes",
+            "wall s",
+        ]
+    ]
+    rows.append(
+        [
+            "single",
+            "-",
+            "-",
+            "-",
+            str(single["held_pages"]),
+            str(single["held_bytes"]),
+            str(single["kv_bytes"]),
+            f"{single['seconds']:.1f}",
+        ]
+    )
     for name in ("replicated", "shared"):
         p = paths[name]
-        rows.append([
-            name,
-            "ok" if p["ok"] else "FAILED",
-            f"{p['max_rel_logit_err']:.2e}",
-            str(p["topk_identical"]),
-            str(max(p["held_pages_per_rank"])),
-            str(max(p["held_bytes_per_rank"])),
-            str(max(p["kv_bytes_per_rank"])),
-            f"{p['seconds']:.1f}",
-        ])
+        rows.append(
+            [
+                name,
+                "ok" if p["ok"] else "FAILED",
+                f"{p['max_rel_logit_err']:.2e}",
+                str(p["topk_identical"]),
+                str(max(p["held_pages_per_rank"])),
+                str(max(p["held_bytes_per_rank"])),
+                str(max(p["kv_bytes_per_rank"])),
+                f"{p['seconds']:.1f}",
+            ]
+        )
     print(format_table(rows))
     held = ", ".join(str(n) for n in paths["shared"]["held_pages_per_rank"])
     print(f"(per rank; CP rows show the busiest rank. Shared pages held by ranks 0..{s['cp_size'] - 1}: {held})")
@@ -67,14 +93,18 @@ def _print_report(report: dict) -> None:
     kinds = sorted(set(paths["replicated"]["bytes_moved"]) | set(paths["shared"]["bytes_moved"]))
     rows = [["bytes moved per collective kind", "replicated", "shared"]]
     for kind in kinds:
-        rows.append([kind] + [str(paths[p]["bytes_moved"].get(kind, {}).get("bytes", 0)) for p in ("replicated", "shared")])
+        rows.append(
+            [kind] + [str(paths[p]["bytes_moved"].get(kind, {}).get("bytes", 0)) for p in ("replicated", "shared")]
+        )
     print(format_table(rows))
     print()
     print(
         f"shared KV held per rank = {kv['held_ratio']:.3f} x replicated "
         f"(busiest rank {kv['busiest_shared_rank_pages']} of {kv['pages_in_use']} pages; 1/N = {1 / s['cp_size']:.3f})"
     )
-    print(f"shared KV pool per rank = {kv['pool_ratio']:.3f} x replicated (pools sized for these requests, whole pages per rank)")
+    print(
+        f"shared KV pool per rank = {kv['pool_ratio']:.3f} x replicated (pools sized for these requests, whole pages per rank)"
+    )
     print("oracle:", "ok" if report["ok"] else "FAILED")
 
 
@@ -89,25 +119,46 @@ def _print_pd_report(pd: dict) -> None:
         return
     rows = [["prefill rank", "pages sent", "bytes sent", "transfers", "batched writes"]]
     for r in range(n):
-        rows.append([str(r), str(pd["pages_per_rank"][r]), str(pd["bytes_per_rank"][r]),
-                     str(pd["transfers_per_rank"][r]), str(pd["batches_per_rank"][r])])
+        rows.append(
+            [
+                str(r),
+                str(pd["pages_per_rank"][r]),
+                str(pd["bytes_per_rank"][r]),
+                str(pd["transfers_per_rank"][r]),
+                str(pd["batches_per_rank"][r]),
+            ]
+        )
     base = pd["rank0_sends_all"]
-    rows.append(["rank 0 alone, all pages (SGLang default)", str(base["bytes"] // pd["bytes_per_page"]),
-                 str(base["bytes"]), str(base["transfers"]), "-"])
+    rows.append(
+        [
+            "rank 0 alone, all pages (SGLang default)",
+            str(base["bytes"] // pd["bytes_per_page"]),
+            str(base["bytes"]),
+            str(base["transfers"]),
+            "-",
+        ]
+    )
     print(format_table(rows))
     busiest = max(pd["bytes_per_rank"])
-    print(f"busiest rank sends {busiest / base['bytes']:.3f} x rank 0 alone (1/N = {1 / n:.3f}); "
-          f"transfers issued in all: {pd['transfers_issued']}")
+    print(
+        f"busiest rank sends {busiest / base['bytes']:.3f} x rank 0 alone (1/N = {1 / n:.3f}); "
+        f"transfers issued in all: {pd['transfers_issued']}"
+    )
     kv = pd["kv"]
     print(f"transferred pages equal the owners' shard pages byte for byte: {pd['transfer_exact']}")
     for part in ("transferred", "decoded"):
         d = kv[part]
-        print(f"decode KV vs single rank, {part} positions: latent max rel err {d['max_rel_latent_err']:.2e}, "
-              f"index K bytes differing {d['index_key_mismatched_bytes']}/{d['index_key_bytes']}, "
-              f"index scale max rel err {d['max_rel_index_scale_err']:.2e}")
+        print(
+            f"decode KV vs single rank, {part} positions: latent max rel err {d['max_rel_latent_err']:.2e}, "
+            f"index K bytes differing {d['index_key_mismatched_bytes']}/{d['index_key_bytes']}, "
+            f"index scale max rel err {d['max_rel_index_scale_err']:.2e}"
+        )
     print(f"decoded tokens ({pd['decode_steps'] + 1} per request) match single rank: {pd['decoded_tokens_match']}")
     for key, req in pd["requests"].items():
-        print(f"  {key}: {req['tokens']}" + ("" if req["tokens"] == req["single_tokens"] else f" (single: {req['single_tokens']})"))
+        print(
+            f"  {key}: {req['tokens']}"
+            + ("" if req["tokens"] == req["single_tokens"] else f" (single: {req['single_tokens']})")
+        )
     print("pd:", "ok" if pd["ok"] else "FAILED")
 
 
@@ -145,7 +196,13 @@ def demo(opts: DemoOptions) -> int:
             "ok": full["ok"],
             **{
                 key: {p: paths[p][key] for p in ("replicated", "shared")}
-                for key in ("max_rel_logit_err", "held_pages_per_rank", "held_bytes_per_rank", "kv_bytes_per_rank", "bytes_moved")
+                for key in (
+                    "max_rel_logit_err",
+                    "held_pages_per_rank",
+                    "held_bytes_per_rank",
+                    "kv_bytes_per_rank",
+                    "bytes_moved",
+                )
             },
             **full,
         }
@@ -153,7 +210,10 @@ def demo(opts: DemoOptions) -> int:
             with open(opts.json_path, "w") as f:
                 json.dump(summary, f, indent=2)
         except OSError as e:
-            print(f"python -m sglang_nsa_cp demo: error: --json {opts.json_path}: cannot be written ({e.strerror})", file=sys.stderr)
+            print(
+                f"python -m sglang_nsa_cp demo: error: --json {opts.json_path}: cannot be written ({e.strerror})",
+                file=sys.stderr,
+            )
             return 1
     return 0 if full["ok"] else 1
 

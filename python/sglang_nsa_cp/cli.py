@@ -20,7 +20,9 @@ def format_table(rows: Sequence[Sequence[Any]], align: str = "l", header_rule: b
     if len(align) != ncols or set(align) - {"l", "r"}:
         raise ValueError(f"align must be 'l'/'r' once or once per column ({ncols}), got {align!r}")
     widths = [max(len(r[i]) for r in cells) for i in range(ncols)]
-    lines = ["  ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(r, widths, align)).rstrip() for r in cells]
+    lines = [
+        "  ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(r, widths, align)).rstrip() for r in cells
+    ]
     if header_rule:
         lines.insert(1, "-" * max(len(line) for line in lines))
     return "\n".join(lines)

@@ -55,14 +55,17 @@ class DemoOptions:
 
 def add_demo_arguments(demo: argparse.ArgumentParser) -> None:
     """Every value is read as text and checked by `check_demo_args`, so all errors read alike."""
-    demo.add_argument("--cp", metavar="N", default="4", help=f"CP ranks (one process each), 1 to {MAX_RANKS}; default 4")
+    demo.add_argument(
+        "--cp", metavar="N", default="4", help=f"CP ranks (one process each), 1 to {MAX_RANKS}; default 4"
+    )
     demo.add_argument("--split", metavar="MODE", default="zigzag", help="zigzag or interleave; default zigzag")
-    demo.add_argument("--page-size", metavar="P", default="16", help=f"tokens per KV page, 1 to {MAX_PAGE_SIZE}; default 16")
+    demo.add_argument(
+        "--page-size", metavar="P", default="16", help=f"tokens per KV page, 1 to {MAX_PAGE_SIZE}; default 16"
+    )
     demo.add_argument(
         "--extend-lens",
         metavar="A,B,...",
-        help="new tokens per request, comma-separated, each >= 1; default "
-        + ",".join(map(str, DEFAULT_EXTEND_LENS)),
+        help="new tokens per request, comma-separated, each >= 1; default " + ",".join(map(str, DEFAULT_EXTEND_LENS)),
     )
     demo.add_argument(
         "--prefix-lens",
@@ -72,12 +75,18 @@ def add_demo_arguments(demo: argparse.ArgumentParser) -> None:
         + " with the default --extend-lens, else all 0",
     )
     demo.add_argument("--seed", metavar="S", default="0", help="weights and tokens seed, 0 to 2**63-1; default 0")
-    demo.add_argument("--config", metavar="NAME", default="tiny", help=f"reference model config: {', '.join(CONFIGS)}; default tiny")
+    demo.add_argument(
+        "--config", metavar="NAME", default="tiny", help=f"reference model config: {', '.join(CONFIGS)}; default tiny"
+    )
     demo.add_argument("--dtype", metavar="DTYPE", default="float32", help=f"{' or '.join(DTYPES)}; default float32")
-    demo.add_argument("--no-prefetch", action="store_true", help="shared path: materialize in place, not one layer ahead")
+    demo.add_argument(
+        "--no-prefetch", action="store_true", help="shared path: materialize in place, not one layer ahead"
+    )
     demo.add_argument("--pd", action="store_true", help="also transfer to a decode process and decode (PD end to end)")
     demo.add_argument(
-        "--decode-steps", metavar="K", help=f"with --pd: greedy decode steps, 0 to {MAX_DECODE_STEPS}; default {DEFAULT_DECODE_STEPS}"
+        "--decode-steps",
+        metavar="K",
+        help=f"with --pd: greedy decode steps, 0 to {MAX_DECODE_STEPS}; default {DEFAULT_DECODE_STEPS}",
     )
     demo.add_argument("--json", metavar="PATH", help="also write the full report as JSON (checked before the run)")
     demo.add_argument(
@@ -144,7 +153,9 @@ def check_json_path(value: str) -> str:
         with open(value, "a"):
             pass
     except OSError as e:
-        raise UsageError(f"--json {_show(value)}: cannot be written ({e.strerror}); give a file in a writable directory") from None
+        raise UsageError(
+            f"--json {_show(value)}: cannot be written ({e.strerror}); give a file in a writable directory"
+        ) from None
     if not existed:
         os.remove(value)
     return value

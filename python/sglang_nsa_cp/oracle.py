@@ -22,7 +22,10 @@ from sglang_nsa_cp.shared_kv import KVStore
 RTOL = 1e-5
 PATHS = ("replicated", "shared")
 # The replicated path is today's SGLang split; shared KV needs page-aligned cuts where possible.
-PATH_SPLIT_MODES = {"zigzag": {"replicated": "zigzag", "shared": "page_zigzag"}, "interleave": {"replicated": "interleave", "shared": "interleave"}}
+PATH_SPLIT_MODES = {
+    "zigzag": {"replicated": "zigzag", "shared": "page_zigzag"},
+    "interleave": {"replicated": "interleave", "shared": "interleave"},
+}
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
@@ -134,7 +137,9 @@ def run_single(s: Scenario) -> PathResult:
         result.logits.append(model.logits(hidden[batch.last_token_idx]))
         result.topk.append(topk)
     result.kv_bytes = sum(t.numel() * t.element_size() for t in (cache.latent, cache.index_key, cache.index_scale))
-    pages_in_use = {p for key in s.final_lengths() for p in (cache.slots_of(key)[:: s.page_size] // s.page_size).tolist()}
+    pages_in_use = {
+        p for key in s.final_lengths() for p in (cache.slots_of(key)[:: s.page_size] // s.page_size).tolist()
+    }
     result.held_pages = len(pages_in_use)
     result.held_bytes = result.held_pages * result.kv_bytes // s.num_pages()
     result.seconds = time.perf_counter() - start
@@ -151,7 +156,13 @@ def _run_cp_path(rank, world, group, s: Scenario, model: DSAModel, path: str) ->
     start = time.perf_counter()
     cfg = model.config
     table = RequestPageTable(OwnerClassedAllocator(s.num_pages(), world), s.page_size)
-    store_kw = dict(num_layers=cfg.num_layers, num_pages=s.num_pages(), page_size=s.page_size, latent_dim=cfg.latent_dim, latent_dtype=DTYPES[s.dtype])
+    store_kw = dict(
+        num_layers=cfg.num_layers,
+        num_pages=s.num_pages(),
+        page_size=s.page_size,
+        latent_dim=cfg.latent_dim,
+        latent_dtype=DTYPES[s.dtype],
+    )
     store = KVStore(cp_size=world, rank=rank, **store_kw) if path == "shared" else KVStore.replicated(**store_kw)
     context = (lambda *a: SharedCPKV(*a, prefetch=s.prefetch)) if path == "shared" else ReplicatedCPKV
     counter = TrafficCounter()
@@ -203,12 +214,13 @@ def compare(s: Scenario, single: PathResult, per_rank: list[PathResult]) -> dict
     """Oracle checks of one CP path against the single rank."""
     logit_err = max(rel_err(r.logits[c], single.logits[c]) for r in per_rank for c in range(len(s.chunks)))
     topk_equal = all(
-        torch.equal(a, b)
-        for c in range(len(s.chunks))
-        for a, b in zip(_flat_topk(per_rank, c), single.topk[c])
+        torch.equal(a, b) for c in range(len(s.chunks)) for a, b in zip(_flat_topk(per_rank, c), single.topk[c])
     )
     kv_err = max(
-        rel_err(r.kv[key][layer], single.kv[key][layer]) for r in per_rank for key in single.kv for layer in range(len(single.kv[key]))
+        rel_err(r.kv[key][layer], single.kv[key][layer])
+        for r in per_rank
+        for key in single.kv
+        for layer in range(len(single.kv[key]))
     )
     return {
         "max_rel_logit_err": logit_err,
@@ -221,9 +233,25 @@ def compare(s: Scenario, single: PathResult, per_rank: list[PathResult]) -> dict
 def run_oracle(s: Scenario, timeout_s: float = 300.0) -> dict:
     """All three paths and the checks; the report the demo prints and the tests assert on."""
     single = run_single(s)
-    report = {"scenario": {"chunks": s.chunks, "cp_size": s.cp_size, "split": s.split, "page_size": s.page_size, "config": s.config, "seed": s.seed, "dtype": s.dtype, "prefetch": s.prefetch}}
+    report = {
+        "scenario": {
+            "chunks": s.chunks,
+            "cp_size": s.cp_size,
+            "split": s.split,
+            "page_size": s.page_size,
+            "config": s.config,
+            "seed": s.seed,
+            "dtype": s.dtype,
+            "prefetch": s.prefetch,
+        }
+    }
     report["paths"] = {
-        "single": {"seconds": single.seconds, "kv_bytes": single.kv_bytes, "held_pages": single.held_pages, "held_bytes": single.held_bytes}
+        "single": {
+            "seconds": single.seconds,
+            "kv_bytes": single.kv_bytes,
+            "held_pages": single.held_pages,
+            "held_bytes": single.held_bytes,
+        }
     }
     ranks = run_ranks(run_cp_rank, s.cp_size, args=(s,), timeout_s=timeout_s)
     for path in PATHS:

@@ -142,7 +142,7 @@ class DecodeKV(SynchronousKV):
     def release(self, key: Hashable) -> None:
         pages = self.table.pages.pop(key)
         self.table.lengths.pop(key)
-        self.table.allocator.free(pages[self._transferred.pop(key):])
+        self.table.allocator.free(pages[self._transferred.pop(key) :])
 
 
 @torch.no_grad()
@@ -159,8 +159,16 @@ def _last_chunk(s: Scenario) -> dict[str, int]:
     return {key: c for c, chunk in enumerate(s.chunks) for key, _ in chunk}
 
 
-def prefill_rank(rank: int, world: int, group, s: Scenario, decode_address: str, engine_config: EngineConfig,
-                 nonces: dict[str, int], secret: bytes | None) -> dict:
+def prefill_rank(
+    rank: int,
+    world: int,
+    group,
+    s: Scenario,
+    decode_address: str,
+    engine_config: EngineConfig,
+    nonces: dict[str, int],
+    secret: bytes | None,
+) -> dict:
     """Shared-KV CP prefill of every chunk; each request's owned pages go to the decode after the
     chunk that finishes it. Call through `run_ranks`."""
     start = time.perf_counter()
@@ -168,11 +176,17 @@ def prefill_rank(rank: int, world: int, group, s: Scenario, decode_address: str,
     cfg = model.config
     table = RequestPageTable(OwnerClassedAllocator(s.num_pages(), world), s.page_size)
     store = KVStore(
-        cp_size=world, rank=rank, num_layers=cfg.num_layers, num_pages=s.num_pages(), page_size=s.page_size,
-        latent_dim=cfg.latent_dim, latent_dtype=DTYPES[s.dtype],
+        cp_size=world,
+        rank=rank,
+        num_layers=cfg.num_layers,
+        num_pages=s.num_pages(),
+        page_size=s.page_size,
+        latent_dim=cfg.latent_dim,
+        latent_dtype=DTYPES[s.dtype],
     )
-    sender = OwnedPageSender(KVBuffers(store.latent, store.index, s.page_size), rank, world,
-                             engine_config=engine_config, secret=secret)
+    sender = OwnedPageSender(
+        KVBuffers(store.latent, store.index, s.page_size), rank, world, engine_config=engine_config, secret=secret
+    )
     last_chunk = _last_chunk(s)
     counter = TrafficCounter()
     logits, sends = [], {}
@@ -300,18 +314,27 @@ def run_pd(
             out[key] = int(per_chunk_logits[c][[k for k, _ in s.chunks[c]].index(key)].argmax())
         return out
 
-    single_tokens = _greedy(first_tokens(single_logits), keys, decode_steps, lambda t: decode_step(model, single, keys, t))
+    single_tokens = _greedy(
+        first_tokens(single_logits), keys, decode_steps, lambda t: decode_step(model, single, keys, t)
+    )
 
     # The decode instance: a replicated-shaped pool, the receiver, then the prefill ranks.
     pool = KVStore.replicated(
         num_layers=cfg.num_layers, num_pages=pool_pages, page_size=ps, latent_dim=cfg.latent_dim, latent_dtype=dtype
     )
     rx = OwnedPageReceiver(
-        KVBuffers(pool.latent, pool.index, ps), engine=engine, engine_config=engine_config, timeout_s=timeout_s,
+        KVBuffers(pool.latent, pool.index, ps),
+        engine=engine,
+        engine_config=engine_config,
+        timeout_s=timeout_s,
         secret=secret,
     )
-    report: dict = {"cp_size": s.cp_size, "decode_steps": decode_steps, "decode_pool_pages": pool_pages,
-                    "keyed": secret is not None}
+    report: dict = {
+        "cp_size": s.cp_size,
+        "decode_steps": decode_steps,
+        "decode_pool_pages": pool_pages,
+        "keyed": secret is not None,
+    }
     try:
         nonces = {key: new_nonce() for key in keys}
         dst = {key: rx.expect(key, _pages(n, ps), s.cp_size, nonce=nonces[key]) for key, n in lengths.items()}
@@ -332,7 +355,9 @@ def run_pd(
         ctx = DecodeKV(pool, rx.allocator)
         for key in keys:
             ctx.adopt(key, dst[key], lengths[key])
-        pd_tokens = _greedy(first_tokens(ranks[0]["logits"]), keys, decode_steps, lambda t: decode_step_pd(model, ctx, keys, t))
+        pd_tokens = _greedy(
+            first_tokens(ranks[0]["logits"]), keys, decode_steps, lambda t: decode_step_pd(model, ctx, keys, t)
+        )
         report["decode_seconds"] = time.perf_counter() - decode_start
 
         transferred, decoded = [], []
@@ -341,45 +366,43 @@ def run_pd(
             transferred.append((s_slots[:n], d_slots[:n]))
             decoded.append((s_slots[n:], d_slots[n:]))
         kv = {"transferred": _kv_diff(single, pool, transferred), "decoded": _kv_diff(single, pool, decoded)}
-        logit_err = max(
-            rel_err(r["logits"][c], single_logits[c]) for r in ranks for c in range(len(s.chunks))
-        )
+        logit_err = max(rel_err(r["logits"][c], single_logits[c]) for r in ranks for c in range(len(s.chunks)))
 
         stats = [r["stats"] for r in ranks]
         num_buffers = 2 * cfg.num_layers
         page_bytes = rx.buffers.bytes_per_page()
-        baseline_transfers = sum(
-            len(coalesce_runs(single_pages[k], dst[k])) * num_buffers for k in keys
+        baseline_transfers = sum(len(coalesce_runs(single_pages[k], dst[k])) * num_buffers for k in keys)
+        report.update(
+            {
+                "requests": {
+                    k: {
+                        "prefill_tokens": lengths[k],
+                        "logical_pages": ranks[0]["pages"][k],
+                        "decode_pages": ctx.table.pages[k],
+                        "tokens": pd_tokens[k],
+                        "single_tokens": single_tokens[k],
+                    }
+                    for k in keys
+                },
+                "decoded_tokens_match": pd_tokens == single_tokens,
+                "max_rel_prefill_logit_err": logit_err,
+                "kv": kv,
+                "bytes_per_page": page_bytes,
+                "bytes_per_rank": [st.nbytes for st in stats],
+                "transfers_per_rank": [st.transfers for st in stats],
+                "pages_per_rank": [st.pages for st in stats],
+                "batches_per_rank": [st.batches for st in stats],
+                "transfers_issued": sum(st.transfers for st in stats),
+                "received_per_rank": {r: vars(v) for r, v in sorted(rx.stats.per_rank.items())},
+                # Today's SGLang default: CP rank 0 holds every page and sends all of them, its
+                # (SGLang-like, as reference.single allocates) pages coalesced against the same
+                # decode pages.
+                "rank0_sends_all": {
+                    "bytes": sum(len(dst[k]) for k in keys) * page_bytes,
+                    "transfers": baseline_transfers,
+                },
+            }
         )
-        report.update({
-            "requests": {
-                k: {
-                    "prefill_tokens": lengths[k],
-                    "logical_pages": ranks[0]["pages"][k],
-                    "decode_pages": ctx.table.pages[k],
-                    "tokens": pd_tokens[k],
-                    "single_tokens": single_tokens[k],
-                }
-                for k in keys
-            },
-            "decoded_tokens_match": pd_tokens == single_tokens,
-            "max_rel_prefill_logit_err": logit_err,
-            "kv": kv,
-            "bytes_per_page": page_bytes,
-            "bytes_per_rank": [st.nbytes for st in stats],
-            "transfers_per_rank": [st.transfers for st in stats],
-            "pages_per_rank": [st.pages for st in stats],
-            "batches_per_rank": [st.batches for st in stats],
-            "transfers_issued": sum(st.transfers for st in stats),
-            "received_per_rank": {r: vars(v) for r, v in sorted(rx.stats.per_rank.items())},
-            # Today's SGLang default: CP rank 0 holds every page and sends all of them, its
-            # (SGLang-like, as reference.single allocates) pages coalesced against the same
-            # decode pages.
-            "rank0_sends_all": {
-                "bytes": sum(len(dst[k]) for k in keys) * page_bytes,
-                "transfers": baseline_transfers,
-            },
-        })
         report["ok"] = bool(
             report["decoded_tokens_match"]
             and report["transfer_exact"]

@@ -175,7 +175,10 @@ def run_ranks(
         return [outcomes[r][1] for r in range(world_size)]
     n = world_size
     blocks = [f"rank {r}/{n} failed:\n{text}" for r, text in sorted(failed.items())]
-    blocks += [f"rank {r}/{n} failed: did not finish within {timeout_s:.0f} s; its stacks:\n{s}" for r, s in sorted(timed_out.items())]
+    blocks += [
+        f"rank {r}/{n} failed: did not finish within {timeout_s:.0f} s; its stacks:\n{s}"
+        for r, s in sorted(timed_out.items())
+    ]
     stopped = [r for r in range(n) if r not in outcomes and r not in timed_out]
     if stopped:
         blocks.append(f"ranks {stopped} of {n} were stopped after the failure above")

@@ -45,9 +45,7 @@ class PageAllocator:
         with self._lock:
             not_allocated = [p for p in pages if p not in self._allocated]
             if not_allocated or len(set(pages)) != len(pages):
-                raise ValueError(
-                    f"freeing pages that are not allocated or listed twice: {not_allocated[:8]}"
-                )
+                raise ValueError(f"freeing pages that are not allocated or listed twice: {not_allocated[:8]}")
             self._allocated.difference_update(pages)
             for p in pages:
                 heapq.heappush(self._free, p)

@@ -45,12 +45,15 @@ def pd_secret(secret=FROM_ENV) -> bytes | None:
         logger.warning(
             "owned-page PD messages are not authenticated: anyone who reaches the decode's port can "
             "forge a commit or fail a request; set %s (the same value on the decode and every "
-            "prefill rank) to key them", SGLANG_NSA_CP_PD_SECRET.name,
+            "prefill rank) to key them",
+            SGLANG_NSA_CP_PD_SECRET.name,
         )
     return secret
 
 
-def session_key(secret: bytes | None, client_nonce: bytes, server_nonce: bytes, rank: int, cp_size: int) -> bytes | None:
+def session_key(
+    secret: bytes | None, client_nonce: bytes, server_nonce: bytes, rank: int, cp_size: int
+) -> bytes | None:
     """K of one connection; None when keying is off."""
     if secret is None:
         return None
@@ -70,12 +73,16 @@ def verify(key: bytes | None, label: bytes, body: bytes, mac: bytes) -> str | No
     """None if `mac` is right for `body`, else why not (for a log line or a failure reason)."""
     if key is None:
         if mac:
-            return (f"the peer signs its messages but this side has no secret; set "
-                    f"{SGLANG_NSA_CP_PD_SECRET.name} on both sides or on neither")
+            return (
+                f"the peer signs its messages but this side has no secret; set "
+                f"{SGLANG_NSA_CP_PD_SECRET.name} on both sides or on neither"
+            )
         return None
     if not mac:
-        return (f"the peer does not sign its messages but this side has a secret; set "
-                f"{SGLANG_NSA_CP_PD_SECRET.name} on both sides or on neither")
+        return (
+            f"the peer does not sign its messages but this side has a secret; set "
+            f"{SGLANG_NSA_CP_PD_SECRET.name} on both sides or on neither"
+        )
     if not hmac.compare_digest(mac, sign(key, label, body)):
         return f"bad MAC: the peer's {SGLANG_NSA_CP_PD_SECRET.name} differs, or the message was altered"
     return None

@@ -64,14 +64,11 @@ def _check_tensor(name: str, t: torch.Tensor, rows_per_page: int, device: torch.
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, the other buffers on {device}")
     if t.shape[0] % rows_per_page:
-        raise ValueError(
-            f"{name} has {t.shape[0]} rows, not a multiple of {rows_per_page} rows per page"
-        )
+        raise ValueError(f"{name} has {t.shape[0]} rows, not a multiple of {rows_per_page} rows per page")
     page_bytes = t.nbytes // t.shape[0] * rows_per_page
     if page_bytes % 4 or page_bytes // 4 > MAX_PAGE_WORDS:
         raise ValueError(
-            f"{name}: a page is {page_bytes} B; the checksum needs a multiple of 4 B and at most "
-            f"{4 * MAX_PAGE_WORDS} B"
+            f"{name}: a page is {page_bytes} B; the checksum needs a multiple of 4 B and at most {4 * MAX_PAGE_WORDS} B"
         )
 
 
@@ -93,8 +90,7 @@ class KVBuffers:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if not kv or len(kv) != len(index):
             raise ValueError(
-                f"need one kv and one index buffer per layer, got {len(kv)} kv and {len(index)} "
-                "index buffers"
+                f"need one kv and one index buffer per layer, got {len(kv)} kv and {len(index)} index buffers"
             )
         device = kv[0].device
         for layer, (k, i) in enumerate(zip(kv, index)):

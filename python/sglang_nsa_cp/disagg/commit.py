@@ -35,8 +35,12 @@ class CoverageReport:
     @property
     def ok(self) -> bool:
         return not (
-            self.missing or self.duplicated or self.wrong_owner or self.out_of_range
-            or self.corrupt or self.silent_ranks
+            self.missing
+            or self.duplicated
+            or self.wrong_owner
+            or self.out_of_range
+            or self.corrupt
+            or self.silent_ranks
         )
 
     def describe(self) -> str:
@@ -63,9 +67,7 @@ def _show(items: Sequence) -> str:
     return f"[{', '.join(str(i) for i in items[:_SHOWN])}]{more}"
 
 
-def check_coverage(
-    num_pages: int, cp_size: int, manifests: Mapping[int, Manifest]
-) -> CoverageReport:
+def check_coverage(num_pages: int, cp_size: int, manifests: Mapping[int, Manifest]) -> CoverageReport:
     """Rules 1-3 over the manifests received so far (keyed by rank)."""
     claimants: dict[int, list[int]] = {}
     wrong_owner, out_of_range = set(), set()

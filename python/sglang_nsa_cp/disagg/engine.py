@@ -48,9 +48,7 @@ class MooncakeEngine:
             ) from e
         self.config = config
         self._engine = TransferEngine()
-        rc = self._engine.initialize(
-            config.hostname, config.metadata_server, config.protocol, config.device_name
-        )
+        rc = self._engine.initialize(config.hostname, config.metadata_server, config.protocol, config.device_name)
         if rc != 0:
             raise TransferError(f"TransferEngine.initialize{config} returned {rc}")
         self.session_id = f"{config.hostname}:{self._engine.get_rpc_port()}"
@@ -80,7 +78,9 @@ class MooncakeEngine:
         for start in range(0, len(batch), step):
             end = start + step
             rc = self._engine.batch_transfer_sync_write(
-                session_id, batch.src_ptrs[start:end], batch.dst_ptrs[start:end],
+                session_id,
+                batch.src_ptrs[start:end],
+                batch.dst_ptrs[start:end],
                 batch.lengths[start:end],
             )
             calls += 1
@@ -103,5 +103,7 @@ def _warn_listening(hostname: str, rpc_port: int) -> None:
         "Mooncake's TransferEngine listens on all interfaces whatever its hostname (%s here): its "
         "handshake port %d and its TCP data port accept connections from any host that can reach "
         "this one, and a peer that knows a registered buffer's address can write into it; keep "
-        "these ports behind a firewall (docs/disagg.md, threat model)", hostname, rpc_port,
+        "these ports behind a firewall (docs/disagg.md, threat model)",
+        hostname,
+        rpc_port,
     )

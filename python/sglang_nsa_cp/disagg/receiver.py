@@ -82,8 +82,14 @@ class OwnedPageReceiver:
         self.engine.register((b.data_ptr, b.nbytes) for b in buffers.flat())
         self.stats = ReceiverStats()
         self.epoch = protocol.new_nonce()
-        self._table = TransferTable(self.allocator, self.stats, timeout_s=timeout_s,
-                                    ready_timeout_s=ready_timeout_s, max_early=max_early, epoch=self.epoch)
+        self._table = TransferTable(
+            self.allocator,
+            self.stats,
+            timeout_s=timeout_s,
+            ready_timeout_s=ready_timeout_s,
+            max_early=max_early,
+            epoch=self.epoch,
+        )
         self._peers: OrderedDict[bytes, _Peer] = OrderedDict()  # least recently heard first
         self._max_peers, self._handshake_timeout_s = max_peers, handshake_timeout_s
         self._probe_interval_s = probe_interval_s
@@ -95,8 +101,7 @@ class OwnedPageReceiver:
         self._verify_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._context = zmq.Context()
         bound = threading.Event()
-        self._thread = threading.Thread(target=self._serve, args=(bind, bound), name="owned-page-receiver",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._serve, args=(bind, bound), name="owned-page-receiver", daemon=True)
         self._verifier = threading.Thread(target=self._verify_loop, name="owned-page-verifier", daemon=True)
         self._thread.start()
         self._verifier.start()
@@ -113,8 +118,10 @@ class OwnedPageReceiver:
         protocol.check_request_id(request_id)
         protocol.check_nonce(nonce)
         if not 1 <= num_pages <= protocol.MAX_REQUEST_PAGES or not 1 <= cp_size <= protocol.MAX_CP_SIZE:
-            raise ValueError(f"need 1 <= num_pages <= {protocol.MAX_REQUEST_PAGES} and 1 <= cp_size <= "
-                             f"{protocol.MAX_CP_SIZE}, got {num_pages}, {cp_size}")
+            raise ValueError(
+                f"need 1 <= num_pages <= {protocol.MAX_REQUEST_PAGES} and 1 <= cp_size <= "
+                f"{protocol.MAX_CP_SIZE}, got {num_pages}, {cp_size}"
+            )
         with self._lock:
             self._raise_if_dead()
             return self._table.expect(request_id, nonce, num_pages, cp_size, time.monotonic())
@@ -233,8 +240,15 @@ class OwnedPageReceiver:
             return self._hello(identity, msg, now)
         peer = self._peers.get(identity)
         if peer is None:
-            self._table.outbox.append((identity, Reject("unknown-peer", "this decode does not know "
-                                       "the connection (it restarted, or forgot it); say hello again")))
+            self._table.outbox.append(
+                (
+                    identity,
+                    Reject(
+                        "unknown-peer",
+                        "this decode does not know the connection (it restarted, or forgot it); say hello again",
+                    ),
+                )
+            )
             return None
         self._peers.move_to_end(identity)
         if (problem := auth.verify(peer.key, TO_DECODE, frames[1], frames[0])) is not None:
@@ -275,13 +289,21 @@ class OwnedPageReceiver:
             self._table.outbox.append((identity, Reject("layout", str(e), layout=protocol.Layout(**layout))))
             return
         peer.authenticated = True
-        self._table.outbox.append((identity, Welcome(
-            self.engine.session_id, self.epoch, protocol.Layout(**layout),
-            tuple(b.data_ptr for b in self.buffers.flat()), self.buffers.num_pages)))
+        self._table.outbox.append(
+            (
+                identity,
+                Welcome(
+                    self.engine.session_id,
+                    self.epoch,
+                    protocol.Layout(**layout),
+                    tuple(b.data_ptr for b in self.buffers.flat()),
+                    self.buffers.num_pages,
+                ),
+            )
+        )
 
     def _expire_peers(self, now: float) -> None:
-        stale = [i for i, p in self._peers.items() if not p.authenticated
-                 and now - p.since > self._handshake_timeout_s]
+        stale = [i for i, p in self._peers.items() if not p.authenticated and now - p.since > self._handshake_timeout_s]
         for identity in stale:
             del self._peers[identity]
 
@@ -289,8 +311,9 @@ class OwnedPageReceiver:
         # Keyed once the connection proved it holds the secret (its auth checked out); challenges
         # and the rejects of a handshake that failed go unkeyed.
         peer = self._peers.get(identity)
-        keyed = peer is not None and (peer.authenticated or isinstance(msg, Welcome)
-                                      or (isinstance(msg, Reject) and msg.code == "layout"))
+        keyed = peer is not None and (
+            peer.authenticated or isinstance(msg, Welcome) or (isinstance(msg, Reject) and msg.code == "layout")
+        )
         return protocol.pack(peer.key if keyed else None, TO_PREFILL, msg)
 
     def _send(self, sock: zmq.Socket, identity: bytes, frames: list[bytes]) -> bool:

@@ -128,8 +128,9 @@ class OwnedPageSender:
         self._cancelled: OrderedDict[tuple, str] = OrderedDict()  # (request_id, nonce) -> reason
         self._closed = False
 
-    def send(self, decode_address: str, request_id: int | str, logical_pages: Sequence[int], *,
-             nonce: int) -> SendResult:
+    def send(
+        self, decode_address: str, request_id: int | str, logical_pages: Sequence[int], *, nonce: int
+    ) -> SendResult:
         """Send this rank's owned pages of one use of a request and its manifest; raise on failure.
 
         logical_pages: the request's logical page ids in position order (all ranks pass the
@@ -175,8 +176,7 @@ class OwnedPageSender:
                 self._handshake(peer)
             return peer
 
-    def fetch_destination(self, peer: DecodePeer, request_id: int | str, nonce: int,
-                          owned: OwnedPages) -> list[int]:
+    def fetch_destination(self, peer: DecodePeer, request_id: int | str, nonce: int, owned: OwnedPages) -> list[int]:
         """The decode's destination page for every request position (request order); empty for a
         rank that owns none of the request's pages. Sending the want tells the decode this
         rank is ready."""
@@ -207,8 +207,9 @@ class OwnedPageSender:
         """checksum.page_checksums of the owned pages, in owned.positions order."""
         return page_checksums(self.buffers, owned.local_pages).tolist()
 
-    def write(self, peer: DecodePeer, request_id, nonce: int, owned: OwnedPages,
-              dst_pages: Sequence[int]) -> SendResult:
+    def write(
+        self, peer: DecodePeer, request_id, nonce: int, owned: OwnedPages, dst_pages: Sequence[int]
+    ) -> SendResult:
         """One batched write of the owned pages; on failure tell the decode, then raise."""
         start = time.monotonic()
         if not owned.positions:
@@ -232,21 +233,33 @@ class OwnedPageSender:
                 # request handshakes again (the decode may have restarted: new session, pointers).
                 self._abort(peer, request_id, nonce, str(e), drained=False)
                 peer.fresh = False
-                logger.error("rank %d: request %r failed mid-write; the decode keeps its pages fenced until "
-                             "this sender closes (nothing shows the write drained)", self.rank, request_id)
+                logger.error(
+                    "rank %d: request %r failed mid-write; the decode keeps its pages fenced until "
+                    "this sender closes (nothing shows the write drained)",
+                    self.rank,
+                    request_id,
+                )
                 raise
-            result = SendResult(request_id, len(owned.positions), batch.nbytes, len(batch),
-                                num_batches, time.monotonic() - start)
+            result = SendResult(
+                request_id, len(owned.positions), batch.nbytes, len(batch), num_batches, time.monotonic() - start
+            )
             self.stats.add(result)
             return result
 
-    def send_manifest(self, peer: DecodePeer, request_id, nonce: int, owned: OwnedPages,
-                      checksums: Sequence[int], result: SendResult) -> None:
+    def send_manifest(
+        self, peer: DecodePeer, request_id, nonce: int, owned: OwnedPages, checksums: Sequence[int], result: SendResult
+    ) -> None:
         manifest = Manifest(
-            request_id=request_id, nonce=nonce, rank=owned.rank, cp_size=owned.cp_size,
-            num_pages=owned.num_pages, positions=owned.positions,
-            logical_pages=owned.logical_pages, checksums=tuple(checksums),
-            nbytes=result.nbytes, num_transfers=result.num_transfers,
+            request_id=request_id,
+            nonce=nonce,
+            rank=owned.rank,
+            cp_size=owned.cp_size,
+            num_pages=owned.num_pages,
+            positions=owned.positions,
+            logical_pages=owned.logical_pages,
+            checksums=tuple(checksums),
+            nbytes=result.nbytes,
+            num_transfers=result.num_transfers,
         )
         with self._lock:
             self._send(peer, manifest)
@@ -278,8 +291,10 @@ class OwnedPageSender:
         # Checked here too, so a layout mismatch is a ValueError on the prefill side.
         check_same_layout(layout, msgspec.structs.asdict(welcome.layout), "prefill", "decode")
         if len(welcome.dst_ptrs) != len(self.buffers.flat()):
-            raise TransferError(f"decode at {peer.address} lists {len(welcome.dst_ptrs)} buffers, this "
-                                f"rank has {len(self.buffers.flat())}")
+            raise TransferError(
+                f"decode at {peer.address} lists {len(welcome.dst_ptrs)} buffers, this "
+                f"rank has {len(self.buffers.flat())}"
+            )
         peer.session_id, peer.epoch = welcome.session_id, welcome.epoch
         peer.dst_ptrs, peer.num_pages, peer.fresh = list(welcome.dst_ptrs), welcome.num_pages, True
 
@@ -291,9 +306,7 @@ class OwnedPageSender:
             )
         bad = [q for q in dst_pages if not 0 <= q < peer.num_pages]
         if bad:
-            raise ValueError(
-                f"destination pages {bad[:8]} outside the decode pool of {peer.num_pages}"
-            )
+            raise ValueError(f"destination pages {bad[:8]} outside the decode pool of {peer.num_pages}")
 
     def _abort(self, peer: DecodePeer, request_id, nonce: int, reason: str, drained: bool) -> None:
         if peer.session_id:  # a handshake finished once: keyed with that session's key
@@ -307,8 +320,10 @@ class OwnedPageSender:
         try:
             msg = protocol.unpack(frames, None, TO_PREFILL, keyed=False)
             unkeyed = isinstance(msg, Challenge) or (isinstance(msg, Reject) and msg.code in _UNKEYED_REJECTS)
-            if not (unkeyed and not frames[0]) and (problem := auth.verify(
-                    peer.key, TO_PREFILL, frames[1], frames[0])) is not None:
+            if (
+                not (unkeyed and not frames[0])
+                and (problem := auth.verify(peer.key, TO_PREFILL, frames[1], frames[0])) is not None
+            ):
                 raise protocol.ProtocolError(problem)
         except protocol.ProtocolError as e:
             logger.warning("rank %d: dropping a message from %s: %s", self.rank, peer.address, e)

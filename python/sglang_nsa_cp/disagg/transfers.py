@@ -67,11 +67,23 @@ class Fence:
 
 
 class TransferTable:
-    def __init__(self, allocator: PageAllocator, stats: ReceiverStats, *, timeout_s: float,
-                 ready_timeout_s: float, max_early: int, epoch: int):
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        stats: ReceiverStats,
+        *,
+        timeout_s: float,
+        ready_timeout_s: float,
+        max_early: int,
+        epoch: int,
+    ):
         self.allocator, self.stats = allocator, stats
         self.timeout_s, self.ready_timeout_s, self.max_early, self.epoch = (
-            timeout_s, ready_timeout_s, max_early, epoch)
+            timeout_s,
+            ready_timeout_s,
+            max_early,
+            epoch,
+        )
         self.uses: dict[int | str, Use] = {}
         self.early: OrderedDict[tuple, Early] = OrderedDict()
         self.fences: dict[tuple, Fence] = {}
@@ -98,8 +110,9 @@ class TransferTable:
         use = Use(request_id, nonce, num_pages, cp_size, dst_pages, now, Pending(request_id, tuple(range(cp_size))))
         self.uses[request_id] = use
         early = self.early.pop((request_id, nonce), None)
-        for (rank, _), (identity, msg) in sorted((early.messages if early else {}).items(),
-                                                 key=lambda kv: kv[0][1] != "want"):
+        for (rank, _), (identity, msg) in sorted(
+            (early.messages if early else {}).items(), key=lambda kv: kv[0][1] != "want"
+        ):
             if isinstance(msg, Want):
                 self.on_want(identity, rank, msg, now)
             else:
@@ -116,8 +129,9 @@ class TransferTable:
             self.allocator.free(use.dst_pages)
         del self.uses[request_id]
         # Messages held for this id that came before this use are stale: drop them.
-        for key in [k for k, e in self.early.items() if k[0] == request_id
-                    and (k[1] == use.nonce or e.since < use.expected_at)]:
+        for key in [
+            k for k, e in self.early.items() if k[0] == request_id and (k[1] == use.nonce or e.since < use.expected_at)
+        ]:
             self.early.pop(key)
 
     def status(self, request_id):
@@ -155,8 +169,12 @@ class TransferTable:
     def on_report(self, identity: bytes, rank: int, msg: Manifest | Abort, now: float) -> None:
         key = (msg.request_id, msg.nonce)
         if isinstance(msg, Manifest) and msg.rank != rank:
-            logger.warning("dropping a manifest for rank %d from the connection of rank %d (request %r)",
-                           msg.rank, rank, msg.request_id)
+            logger.warning(
+                "dropping a manifest for rank %d from the connection of rank %d (request %r)",
+                msg.rank,
+                rank,
+                msg.request_id,
+            )
             return
         if key in self.fences:
             self._acknowledge(key, rank, msg)
@@ -166,8 +184,9 @@ class TransferTable:
             self._hold(identity, rank, msg, "report", now)
             return
         if not isinstance(use.status, Pending):
-            logger.info("ignoring a %s for request %r: %s", type(msg).__name__.lower(), use.request_id,
-                        _status_text(use.status))
+            logger.info(
+                "ignoring a %s for request %r: %s", type(msg).__name__.lower(), use.request_id, _status_text(use.status)
+            )
             return
         self._start(use, now)
         if isinstance(msg, Abort):
@@ -239,21 +258,30 @@ class TransferTable:
             del self.early[key]
             for (_, kind), (identity, msg) in early.messages.items():
                 if kind == "want":
-                    self._reject(identity, msg, f"the decode did not expect this request within "
-                                 f"{self.ready_timeout_s} s")
+                    self._reject(
+                        identity, msg, f"the decode did not expect this request within {self.ready_timeout_s} s"
+                    )
 
     def probes(self) -> list[tuple[bytes, Cancel, tuple, int]]:
         """A cancel for every rank a fence waits for; receiver.py declares a rank dead when its
         connection cannot be reached any more."""
-        return [(identity, Cancel(key[0], key[1], fence.reason), key, rank)
-                for key, fence in self.fences.items() for rank, identity in fence.waiting.items()]
+        return [
+            (identity, Cancel(key[0], key[1], fence.reason), key, rank)
+            for key, fence in self.fences.items()
+            for rank, identity in fence.waiting.items()
+        ]
 
     def declare_dead(self, key: tuple, rank: int) -> None:
         fence = self.fences.get(key)
         if fence is None or fence.waiting.pop(rank, None) is None:
             return
-        logger.warning("rank %d of request %r is declared dead (its connection to the decode is "
-                       "closed); its %d fenced pages no longer wait for it", rank, key[0], len(fence.pages))
+        logger.warning(
+            "rank %d of request %r is declared dead (its connection to the decode is "
+            "closed); its %d fenced pages no longer wait for it",
+            rank,
+            key[0],
+            len(fence.pages),
+        )
         self._maybe_unfence(key)
 
     # ---- helpers -------------------------------------------------------------------------------
@@ -274,12 +302,20 @@ class TransferTable:
                 self.stats.dropped += 1
                 if not self._early_full:  # once per episode: a flood must not flood the log too
                     self._early_full = True
-                    logger.warning("dropping messages of requests the decode has not expected: %d already "
-                                   "wait for expect() (max_early); the first was a %s for request %r",
-                                   self.max_early, kind, msg.request_id)
+                    logger.warning(
+                        "dropping messages of requests the decode has not expected: %d already "
+                        "wait for expect() (max_early); the first was a %s for request %r",
+                        self.max_early,
+                        kind,
+                        msg.request_id,
+                    )
                 if kind == "want":
-                    self._reject(identity, msg, f"the decode holds {self.max_early} requests it has not "
-                                 "expected yet; retry later", code="busy")
+                    self._reject(
+                        identity,
+                        msg,
+                        f"the decode holds {self.max_early} requests it has not expected yet; retry later",
+                        code="busy",
+                    )
                 return
             early = self.early[key] = Early(now)
             self._early_full = False
@@ -309,8 +345,10 @@ class TransferTable:
 
 def _check_want(use: Use, rank: int, want: Want) -> str | None:
     if want.cp_size != use.cp_size or want.num_pages != use.num_pages:
-        return (f"rank {rank} asked for a request of {want.num_pages} pages from a CP group of "
-                f"{want.cp_size}; the decode expected {use.num_pages} pages from {use.cp_size}")
+        return (
+            f"rank {rank} asked for a request of {want.num_pages} pages from a CP group of "
+            f"{want.cp_size}; the decode expected {use.num_pages} pages from {use.cp_size}"
+        )
     if rank >= use.cp_size or want.num_owned > use.num_pages:
         return f"rank {rank} owning {want.num_owned} pages does not fit a CP group of {use.cp_size}"
     return None
@@ -318,15 +356,19 @@ def _check_want(use: Use, rank: int, want: Want) -> str | None:
 
 def _check_manifest(use: Use, rank: int, m: Manifest) -> str | None:
     if m.cp_size != use.cp_size or m.num_pages != use.num_pages:
-        return (f"rank {rank} reports a request of {m.num_pages} pages from a CP group of "
-                f"{m.cp_size}; the decode expected {use.num_pages} pages from {use.cp_size}")
+        return (
+            f"rank {rank} reports a request of {m.num_pages} pages from a CP group of "
+            f"{m.cp_size}; the decode expected {use.num_pages} pages from {use.cp_size}"
+        )
     if rank >= use.cp_size:
         return f"manifest from rank {rank}, outside ranks 0..{use.cp_size - 1}"
     if rank in use.manifests:
         return f"rank {rank} sent two manifests"
     if not len(m.positions) == len(m.logical_pages) == len(m.checksums) <= use.num_pages:
-        return (f"manifest of rank {rank}: {len(m.positions)} positions, {len(m.logical_pages)} pages "
-                f"and {len(m.checksums)} checksums for a request of {use.num_pages} pages")
+        return (
+            f"manifest of rank {rank}: {len(m.positions)} positions, {len(m.logical_pages)} pages "
+            f"and {len(m.checksums)} checksums for a request of {use.num_pages} pages"
+        )
     return None
 
 

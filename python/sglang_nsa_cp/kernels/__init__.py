@@ -98,7 +98,9 @@ def implementation(op: str, device: torch.device) -> str:
         return "cuda"
     if TRITON_IMPORT_ERROR is not None:
         if mode == "triton":
-            raise NoTriton(f"{KERNELS_ENV}=triton but triton does not import ({TRITON_IMPORT_ERROR}); install triton or use auto")
+            raise NoTriton(
+                f"{KERNELS_ENV}=triton but triton does not import ({TRITON_IMPORT_ERROR}); install triton or use auto"
+            )
         return "torch"
     return "triton"
 

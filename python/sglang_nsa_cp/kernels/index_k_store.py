@@ -82,7 +82,9 @@ def store_owned_index_k_triton(pages, slots, key, scale, rank: int, cp_size: int
     require_triton()
     checks.check_contiguous_rows("key", key)
     if pages.stride(0) != pages.shape[1]:
-        raise checks.KernelUnsupported(f"store_owned_index_k's kernel needs contiguous pages, got strides {pages.stride()}")
+        raise checks.KernelUnsupported(
+            f"store_owned_index_k's kernel needs contiguous pages, got strides {pages.stride()}"
+        )
     checks.check_aligned("store_owned_index_k", "4-byte aligned pages and key rows", bytes_=4,
                   offsets=(pages.data_ptr(), key.data_ptr(), key.stride(0)))  # fmt: skip
     n = key.shape[0]

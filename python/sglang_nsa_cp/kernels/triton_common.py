@@ -33,7 +33,9 @@ class NoTriton(RuntimeError):
 
 def require_triton() -> None:
     if TRITON_IMPORT_ERROR is not None:
-        raise NoTriton(f"triton does not import ({TRITON_IMPORT_ERROR}); install triton or use SGLANG_NSA_CP_KERNELS=torch")
+        raise NoTriton(
+            f"triton does not import ({TRITON_IMPORT_ERROR}); install triton or use SGLANG_NSA_CP_KERNELS=torch"
+        )
 
 
 _INT32_LIMIT = 2**31
@@ -53,7 +55,9 @@ def owned_rows(slot, rank, CP_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr):
 
 
 @jit
-def program_owned_rows(slots, n_rows, rank, CP_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr, ROWS: tl.constexpr):
+def program_owned_rows(
+    slots, n_rows, rank, CP_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr, ROWS: tl.constexpr
+):
     """This program's ROWS rows of `slots`: (program id, rows, their shard rows, owned by `rank`),
     in int64 when WIDE."""
     pid = tl.program_id(0)

@@ -113,7 +113,9 @@ class ExtendBatch:
         table = torch.full((len(self.keys), max_len), -1, dtype=torch.long)
         for i, (pages, n) in enumerate(zip(self.req_pages, self.seq_lens)):
             pos = torch.arange(n)
-            table[i, :n] = torch.tensor(pages, dtype=torch.long)[pos // self.page_size] * self.page_size + pos % self.page_size
+            table[i, :n] = (
+                torch.tensor(pages, dtype=torch.long)[pos // self.page_size] * self.page_size + pos % self.page_size
+            )
         return table
 
 
@@ -145,7 +147,9 @@ class RequestPageTable:
         owners = []
         for key in keys:
             n = self.prefix_len(key)
-            owners.append(page_owner(self.pages[key][n // self.page_size], self.cp_size) if n % self.page_size else None)
+            owners.append(
+                page_owner(self.pages[key][n // self.page_size], self.cp_size) if n % self.page_size else None
+            )
         return owners
 
     def fork(self, key: Hashable, source: Hashable, length: int) -> None:
@@ -155,7 +159,9 @@ class RequestPageTable:
         SGLang's page-granular radix cache either, so `length` must end on a page boundary.
         """
         if length % self.page_size:
-            raise ValueError(f"a shared prefix must end on a page boundary; {length} is not a multiple of {self.page_size}")
+            raise ValueError(
+                f"a shared prefix must end on a page boundary; {length} is not a multiple of {self.page_size}"
+            )
         if length > self.prefix_len(source):
             raise ValueError(f"request {source!r} has only {self.prefix_len(source)} cached tokens, not {length}")
         if key in self.pages:
@@ -163,7 +169,9 @@ class RequestPageTable:
         self.pages[key] = list(self.pages[source][: length // self.page_size])
         self.lengths[key] = length
 
-    def schedule(self, keys: Sequence[Hashable], extend_lens: Sequence[int], mode: str) -> tuple[SplitPlan, ExtendBatch]:
+    def schedule(
+        self, keys: Sequence[Hashable], extend_lens: Sequence[int], mode: str
+    ) -> tuple[SplitPlan, ExtendBatch]:
         """Split a batch continuing (or starting) `keys` and allocate its pages, as one step."""
         prefix = [self.prefix_len(k) for k in keys]
         first_owners = self.first_page_owners(keys) if mode == "page_zigzag" else None

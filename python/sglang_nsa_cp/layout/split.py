@@ -196,9 +196,7 @@ def _validate(extend_lens, prefix_lens, cp_size, mode, page_size, first_page_own
     if len(extend_lens) == 0:
         raise SplitError("a batch needs at least one request")
     if len(extend_lens) != len(prefix_lens):
-        raise SplitError(
-            f"extend_lens has {len(extend_lens)} requests but prefix_lens has {len(prefix_lens)}"
-        )
+        raise SplitError(f"extend_lens has {len(extend_lens)} requests but prefix_lens has {len(prefix_lens)}")
     bad = [i for i, n in enumerate(extend_lens) if n < 1]
     if bad:
         raise SplitError(f"requests {bad} have no new tokens; every extend length must be >= 1")

@@ -40,6 +40,7 @@ from torch import nn
 from sglang_nsa_cp.kernels.formats import FP8_MAX
 
 from .config import DSAConfig
+
 DEFAULT_QUERY_CHUNK = 1024  # queries per indexer/attention step: bounds the [chunk, kv_len] buffers
 
 

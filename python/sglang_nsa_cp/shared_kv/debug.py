@@ -34,7 +34,9 @@ def check_plan(plan, hist_pages: torch.Tensor, cur_pages: torch.Tensor) -> None:
     dense = plan.page_pos[cur_pages]
     expected = plan.num_gathered_pages + torch.arange(cur_pages.numel(), device=dense.device)
     if not torch.equal(dense, expected):
-        raise CoverageError(f"chunk pages map to dense pages {dense[:8].tolist()}, expected {expected[:8].tolist()}: a page was given twice")
+        raise CoverageError(
+            f"chunk pages map to dense pages {dense[:8].tolist()}, expected {expected[:8].tolist()}: a page was given twice"
+        )
 
 
 def check_write_coverage(store, slots: torch.Tensor, group: dist.ProcessGroup) -> None:

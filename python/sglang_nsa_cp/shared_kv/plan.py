@@ -131,7 +131,9 @@ def build_dense_plan(
     pages_per_req = torch.tensor([-(-s // page_size) for s in seq_lens])
     hist_per_req = torch.tensor([-(-p // page_size) for p in prefix_lens])
     if pages_per_req.numel() and int(pages_per_req.max()) > page_table.shape[1]:
-        raise ValueError(f"page_table has {page_table.shape[1]} columns; the longest request needs {int(pages_per_req.max())}")
+        raise ValueError(
+            f"page_table has {page_table.shape[1]} columns; the longest request needs {int(pages_per_req.max())}"
+        )
     # Every (request, page) of the batch, in request order; history pages first in each request.
     flat_req = torch.repeat_interleave(torch.arange(len(seq_lens)), pages_per_req)
     flat_col = torch.arange(flat_req.numel()) - (torch.cumsum(pages_per_req, 0) - pages_per_req)[flat_req]
@@ -162,7 +164,9 @@ def build_dense_plan(
         pages_per_rank = max(counts[:cp_size])
         outside, in_use, given_twice = counts[cp_size:]
         if outside:
-            raise PlanError(f"{outside} pages of the batch's page table are outside the pool of {num_logical_pages} pages")
+            raise PlanError(
+                f"{outside} pages of the batch's page table are outside the pool of {num_logical_pages} pages"
+            )
         assert in_use == 0 and given_twice == 0, (
             f"pages of this chunk that are also cached pages: {in_use}, given twice: {given_twice}; "
             "the allocator handed out a page in use"
@@ -173,7 +177,9 @@ def build_dense_plan(
         slot_in_owner[order] = torch.arange(order.numel(), device=device) - group_start[owner[order]]
         send = torch.full((pages_per_rank + 1,), -1, dtype=torch.long, device=device)
         mine = owner == rank
-        send.scatter_(0, torch.where(mine, slot_in_owner, pages_per_rank), torch.where(mine, unique_pages // cp_size, -1))
+        send.scatter_(
+            0, torch.where(mine, slot_in_owner, pages_per_rank), torch.where(mine, unique_pages // cp_size, -1)
+        )
         send_pages = send[:pages_per_rank]
         num_gathered = cp_size * pages_per_rank
         page_pos.fill_(num_gathered + num_current_pages)  # the trash page

@@ -112,7 +112,10 @@ class HistoryPrefetcher:
         latent = self.store.page_rows(0)
         index_row = self.store.index[0].shape[1] if self.store.index else 0
         self._halves = [
-            (latent.new_empty((num_dense_pages, latent.shape[1])), latent.new_empty((num_dense_pages, index_row), dtype=torch.uint8))
+            (
+                latent.new_empty((num_dense_pages, latent.shape[1])),
+                latent.new_empty((num_dense_pages, index_row), dtype=torch.uint8),
+            )
             for _ in range(2)
         ]
         self._capacity = num_dense_pages

@@ -63,7 +63,10 @@ class KVStore:
             shape, dtype = (rows, latent_dim), latent_dtype
         self.latent = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.index = (
-            [torch.zeros((self.local_pages, page_size * INDEX_ROW_BYTES), dtype=torch.uint8, device=device) for _ in range(num_layers)]
+            [
+                torch.zeros((self.local_pages, page_size * INDEX_ROW_BYTES), dtype=torch.uint8, device=device)
+                for _ in range(num_layers)
+            ]
             if with_index
             else []
         )

@@ -123,7 +123,9 @@ def find_problems(server_args: Any) -> list[str]:
     if version:
         problems.append(version)
     if str(cfg.model_path).lower() in ("none", "dummy"):
-        return problems + [f"needs a real DSA checkpoint, got --model-path {cfg.model_path}; pass the model or drop {FLAG}"]
+        return problems + [
+            f"needs a real DSA checkpoint, got --model-path {cfg.model_path}; pass the model or drop {FLAG}"
+        ]
     problems += _model_problems(server_args)
 
     if not cfg.enable_prefill_cp or cfg.attn_cp_size <= 1:
@@ -139,7 +141,9 @@ def find_problems(server_args: Any) -> list[str]:
             "and rejects DeepSeek-V3.2); use --cp-strategy interleave"
         )
     if cfg.page_size != DSA_PAGE_SIZE:
-        problems.append(f"needs the DSA page size {DSA_PAGE_SIZE}, got --page-size {cfg.page_size}; use --page-size {DSA_PAGE_SIZE}")
+        problems.append(
+            f"needs the DSA page size {DSA_PAGE_SIZE}, got --page-size {cfg.page_size}; use --page-size {DSA_PAGE_SIZE}"
+        )
     if cfg.enable_dsa_cache_layer_split:
         problems.append(
             "cannot be combined with --enable-dsa-cache-layer-split (a second way of de-replicating the "
@@ -230,7 +234,9 @@ def validate(server_args: Any) -> None:
     if not getattr(server_args, ATTR, False):
         # Bookkeeping attributes stay writable during resolution and are pickled to schedulers.
         setattr(server_args, ATTR, True)
-        logger.info("%s: shared-KV prefill CP enabled (attn_cp_size=%d)", FLAG, resolving_view(server_args).attn_cp_size)
+        logger.info(
+            "%s: shared-KV prefill CP enabled (attn_cp_size=%d)", FLAG, resolving_view(server_args).attn_cp_size
+        )
 
 
 def refuse_unvalidatable(server_args: Any, previous: Callable[[Any], None]) -> None:

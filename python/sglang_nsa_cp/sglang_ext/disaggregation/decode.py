@@ -56,8 +56,11 @@ def allocate_grouped_by_owner(original, self, allocator, **kwargs):
     cp_size = prefill_owner_cp_size(self, kwargs.get("req"))
     if cp_size > 1 and cp_size not in _logged_cp_sizes:
         _logged_cp_sizes.add(cp_size)
-        logger.info("Owned-page PD transfer: decode pages of requests from an owner-sharded CP %d prefill "
-                    "are allocated grouped by owner (one Mooncake run per prefill rank)", cp_size)
+        logger.info(
+            "Owned-page PD transfer: decode pages of requests from an owner-sharded CP %d prefill "
+            "are allocated grouped by owner (one Mooncake run per prefill rank)",
+            cp_size,
+        )
     return regroup_token_slots(kv_loc, allocator.page_size, cp_size)
 
 

@@ -209,9 +209,15 @@ def max_manifest_bytes(num_pages: int) -> int:
 
 def encode_manifest(manifest: dict, room: int, prefill_rank: int, secret: Optional[bytes]) -> bytes:
     """TAG | MAC length (0 or 32) | MAC | msgpack(RoomManifest); the MAC keyed with `secret`."""
-    body = msgspec.msgpack.encode(RoomManifest(
-        room=room, rank=manifest["rank"], cp_size=manifest["cp_size"], kv=PageClaims(**manifest["kv"]),
-        index=PageClaims(**manifest["index"]) if manifest["index"] is not None else None))
+    body = msgspec.msgpack.encode(
+        RoomManifest(
+            room=room,
+            rank=manifest["rank"],
+            cp_size=manifest["cp_size"],
+            kv=PageClaims(**manifest["kv"]),
+            index=PageClaims(**manifest["index"]) if manifest["index"] is not None else None,
+        )
+    )
     mac = auth.sign(secret, _label(room, prefill_rank), body)
     return MANIFEST_TAG + bytes([len(mac)]) + mac + body
 
@@ -228,12 +234,15 @@ def decode_manifest(frame: bytes, *, room: int, prefill_rank: int, secret: Optio
         raise UnauthenticatedManifest("not an owned-page manifest frame")
     limit = max_manifest_bytes(max_pages)
     if len(frame) > limit:
-        raise UnauthenticatedManifest(f"a manifest frame of {len(frame)} B, more than the {limit} B a "
-                                      f"request of {max_pages} pages needs")
+        raise UnauthenticatedManifest(
+            f"a manifest frame of {len(frame)} B, more than the {limit} B a request of {max_pages} pages needs"
+        )
     head = len(MANIFEST_TAG)
     mac_len = frame[head] if len(frame) > head else -1
     if mac_len not in (0, auth.MAC_BYTES):
-        raise UnauthenticatedManifest(f"a manifest frame whose MAC is {mac_len} B long (0 or {auth.MAC_BYTES} expected)")
+        raise UnauthenticatedManifest(
+            f"a manifest frame whose MAC is {mac_len} B long (0 or {auth.MAC_BYTES} expected)"
+        )
     mac, body = frame[head + 1 : head + 1 + mac_len], frame[head + 1 + mac_len :]
     if (problem := auth.verify(secret, _label(room, prefill_rank), body, mac)) is not None:
         raise UnauthenticatedManifest(f"manifest: {problem}")
@@ -274,9 +283,16 @@ def _coverage(kind: str, room: int, total: int, cp_size: int, by_rank: Mapping[i
         return [f"{name} page counts {claimed} (by CP rank) differ from the {total} the decode asked for"]
     manifests = {
         rank: Manifest(
-            request_id=room, nonce=1, rank=rank, cp_size=cp_size, num_pages=total,
-            positions=tuple(m[kind]["positions"]), logical_pages=tuple(m[kind]["pages"]), checksums=(),
-            nbytes=0, num_transfers=0,
+            request_id=room,
+            nonce=1,
+            rank=rank,
+            cp_size=cp_size,
+            num_pages=total,
+            positions=tuple(m[kind]["positions"]),
+            logical_pages=tuple(m[kind]["pages"]),
+            checksums=(),
+            nbytes=0,
+            num_transfers=0,
         )
         for rank, m in by_rank.items()
     }
@@ -285,8 +301,9 @@ def _coverage(kind: str, room: int, total: int, cp_size: int, by_rank: Mapping[i
     return [] if report.ok else [f"{name} pages: {report.describe()}"]
 
 
-def verify_manifests(room: int, manifests: Mapping[int, object], responders: Iterable[int],
-                     expected: RoomExpectation) -> Optional[str]:
+def verify_manifests(
+    room: int, manifests: Mapping[int, object], responders: Iterable[int], expected: RoomExpectation
+) -> Optional[str]:
     """The commit rule over every Success of a room (`manifests`: prefill unique rank -> decoded
     manifest, or the ValueError text of a malformed one). Returns the failure reason, or None.
 
@@ -309,8 +326,9 @@ def verify_manifests(room: int, manifests: Mapping[int, object], responders: Ite
             continue
         cp_rank = manifest["rank"]
         if manifest["cp_size"] != cp_size:
-            problems.append(f"prefill rank {sender} claims a CP group of {manifest['cp_size']}; the decode "
-                            f"targets {cp_size}")
+            problems.append(
+                f"prefill rank {sender} claims a CP group of {manifest['cp_size']}; the decode targets {cp_size}"
+            )
             continue
         if sender % cp_size != cp_rank:
             problems.append(f"prefill rank {sender} sent a manifest for CP rank {cp_rank}")

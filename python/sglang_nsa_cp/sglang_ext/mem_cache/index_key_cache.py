@@ -49,7 +49,9 @@ class SharedKVIndexKeyCache(IndexKeyCache):
     def get_k_and_scale(self, layer_id, seq_len_tensor, page_indices, seq_len_sum, max_seq_len):
         plan = self.pool.plan
         self._written_dense(layer_id)
-        return super().get_k_and_scale(layer_id, seq_len_tensor, plan.dense_pages(page_indices), seq_len_sum, max_seq_len)
+        return super().get_k_and_scale(
+            layer_id, seq_len_tensor, plan.dense_pages(page_indices), seq_len_sum, max_seq_len
+        )
 
     def write_targets(self, layer_id: int, loc):
         if loc.numel() == 0:

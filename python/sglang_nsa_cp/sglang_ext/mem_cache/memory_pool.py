@@ -87,13 +87,25 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
     """
 
     def __init__(
-        self, size: int, *args, cp_rank: int, cp_size: int, cp_group: dist.ProcessGroup, scratch_pages: int = 0, **kwargs
+        self,
+        size: int,
+        *args,
+        cp_rank: int,
+        cp_size: int,
+        cp_group: dist.ProcessGroup,
+        scratch_pages: int = 0,
+        **kwargs,
     ):
         if cp_size < 1 or not 0 <= cp_rank < cp_size:
             raise ValueError(f"cp_rank={cp_rank} is not a rank of a CP group of size {cp_size}")
         unsupported = {
             k: kwargs[k]
-            for k, ok in (("index_kpool", 1), ("index_kpool_compress", False), ("dcp_replicated", False), ("index_buf_size", None))
+            for k, ok in (
+                ("index_kpool", 1),
+                ("index_kpool_compress", False),
+                ("dcp_replicated", False),
+                ("index_buf_size", None),
+            )
             if k in kwargs and kwargs[k] != ok
         }
         if unsupported:
@@ -108,7 +120,9 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
         # the placement arithmetic, which is ours (its host-pool assembler wraps the host pool in a
         # PageInterleaveHostPool with it), and the rank's own rows, which size the rank's host pool.
         self.placement = PageInterleavePlacement(
-            PageShardSpec(shard_rank=cp_rank, shard_size=cp_size, page_size=self.page_size, max_prefix_tokens=0, chunk_tokens=0)
+            PageShardSpec(
+                shard_rank=cp_rank, shard_size=cp_size, page_size=self.page_size, max_prefix_tokens=0, chunk_tokens=0
+            )
         )
         self.host_capacity_tokens = size // cp_size
         self.prefetcher = HistoryPrefetcher(
@@ -199,7 +213,9 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
     @property
     def plan(self) -> DensePlan:
         if self._plan is None:
-            raise RuntimeError("the shared-KV pool's dense view exists only inside an extend batch (begin_shard_extend not called)")
+            raise RuntimeError(
+                "the shared-KV pool's dense view exists only inside an extend batch (begin_shard_extend not called)"
+            )
         return self._plan
 
     def begin_shard_extend(self, req_to_token, req_pool_indices, prefix_lens_cpu, seq_lens_cpu) -> None:
@@ -364,7 +380,11 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
         )
 
     def get_cpu_copy(self, *args, **kwargs):
-        raise NotImplementedError("CPU offload of a shared-KV pool is not supported (each rank holds only its own pages)")
+        raise NotImplementedError(
+            "CPU offload of a shared-KV pool is not supported (each rank holds only its own pages)"
+        )
 
     def load_cpu_copy(self, *args, **kwargs):
-        raise NotImplementedError("CPU restore of a shared-KV pool is not supported (each rank holds only its own pages)")
+        raise NotImplementedError(
+            "CPU restore of a shared-KV pool is not supported (each rank holds only its own pages)"
+        )

@@ -224,7 +224,8 @@ def record_expectation(original, self, kv_indices, *args, **kwargs):
         dsa = [s for i, s in enumerate(state_indices or []) if i < len(types) and types[i] == StateType.DSA]
         index_pages = len(dsa[0]) if dsa and dsa[0] is not None else None
         _state(self.kv_mgr, _EXPECTED)[self.bootstrap_room] = RoomExpectation(
-            len(kv_indices), index_pages, int(info.attn_cp_size))
+            len(kv_indices), index_pages, int(info.attn_cp_size)
+        )
     return original(self, kv_indices, *args, **kwargs)
 
 
@@ -243,8 +244,13 @@ def read_manifest(original, self, msg):
     if expected is not None and frame.startswith(MANIFEST_TAG):
         keyed = self.__dict__.get(_SECRET) is not None
         try:
-            manifest = decode_manifest(frame, room=room, prefill_rank=prefill_rank,
-                                       secret=self.__dict__.get(_SECRET), max_pages=expected.max_pages)
+            manifest = decode_manifest(
+                frame,
+                room=room,
+                prefill_rank=prefill_rank,
+                secret=self.__dict__.get(_SECRET),
+                max_pages=expected.max_pages,
+            )
         except UnauthenticatedManifest as e:
             manifest = _Unauthenticated(protocol.cut(str(e), 300)) if keyed else protocol.cut(str(e), 300)
         except ValueError as e:
@@ -266,9 +272,15 @@ def _log_dropped(room: int, prefill_rank: int, why: str) -> None:
     now = time.monotonic()
     if now - _dropped_log["last"] >= 10:  # at most one line per 10 s, however many are forged
         _dropped_log["last"] = now
-        logger.warning("dropping a Success status of room %s from prefill rank %s (%d dropped so far): %s; "
-                       "with SGLANG_NSA_CP_PD_SECRET set here, every prefill must run the plugin with the "
-                       "same secret", room, prefill_rank, _dropped_log["count"], why)
+        logger.warning(
+            "dropping a Success status of room %s from prefill rank %s (%d dropped so far): %s; "
+            "with SGLANG_NSA_CP_PD_SECRET set here, every prefill must run the plugin with the "
+            "same secret",
+            room,
+            prefill_rank,
+            _dropped_log["count"],
+            why,
+        )
 
 
 def verify_before_success(original, self, *, bootstrap_room, status, prefill_rank, failure_reason=None):
@@ -306,8 +318,10 @@ def verify_before_success(original, self, *, bootstrap_room, status, prefill_ran
         rooms.pop(bootstrap_room, None)
         expected = _state(self, _EXPECTED).get(bootstrap_room)
         if expected is None:
-            reason = (f"owned-page transfer of room {bootstrap_room}: the decode has no record of the "
-                      "pages it asked for (send_metadata did not run through the plugin)")
+            reason = (
+                f"owned-page transfer of room {bootstrap_room}: the decode has no record of the "
+                "pages it asked for (send_metadata did not run through the plugin)"
+            )
         else:
             reason = verify_manifests(bootstrap_room, room_manifests, done, expected)
         if reason is not None:
