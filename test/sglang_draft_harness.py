@@ -40,15 +40,7 @@ def mtp_checkpoint(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
 
 
 def write_mtp_checkpoint(path: str, cfg: dict = TINY_V32_MTP, seed: int = 0) -> str:
-    import json
-
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    save_file(mtp_checkpoint(cfg, seed), os.path.join(path, "model.safetensors"))
-    return path
+    return harness.write_checkpoint(path, cfg, seed, tensors=mtp_checkpoint)
 
 
 def build_draft(sa, mc, target):

@@ -81,13 +81,14 @@ def random_checkpoint(cfg: dict, seed: int, device="cpu") -> dict[str, torch.Ten
 TINY_GLM5 = dict(TINY_V32, architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa")
 
 
-def write_checkpoint(path: str, cfg: dict = TINY_V32, seed: int = 0) -> str:
+def write_checkpoint(path: str, cfg: dict = TINY_V32, seed: int = 0, tensors=random_checkpoint) -> str:
+    """config.json and model.safetensors of `tensors(cfg, seed)` in `path`; returns `path`."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
-    save_file(random_checkpoint(cfg, seed), os.path.join(path, "model.safetensors"))
+    save_file(tensors(cfg, seed), os.path.join(path, "model.safetensors"))
     return path
 
 
