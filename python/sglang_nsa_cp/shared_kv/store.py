@@ -128,7 +128,7 @@ class KVStore:
         if self.fp8_latent:
             kernels.store_owned_mla_fp8(self.latent[layer], slots, latent, self.rank, self.cp_size, self.page_size)
         else:
-            kernels.store_owned_rows(self.latent[layer], slots, latent, self.rank, self.cp_size, self.page_size)
+            self.write_rows(layer, slots, latent)
         if index_key is not None:
             kernels.store_owned_index_k(
                 self.index[layer], slots, index_key, index_scale, self.rank, self.cp_size, self.page_size
@@ -136,12 +136,8 @@ class KVStore:
 
     def write_rows(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Persist latent rows already in this store's row format (bf16 rows, or 656-byte fp8
-        rows quantized by the caller, e.g. by SGLang's own quantizer) at the owned `slots`."""
-        if rows.dtype != self.latent[layer].dtype or rows.shape[1:] != self.latent[layer].shape[1:]:
-            raise KVStoreError(
-                f"rows {rows.dtype} {tuple(rows.shape)} are not in the store's row format "
-                f"{self.latent[layer].dtype} [*, {self.latent[layer].shape[1]}]"
-            )
+        rows quantized by the caller, e.g. by SGLang's own quantizer) at the owned `slots`. Rows of
+        another dtype or width are refused by the kernel's own check, naming both."""
         kernels.store_owned_rows(self.latent[layer], slots, rows, self.rank, self.cp_size, self.page_size)
 
     # ---- reads for tests and the transfer layer ------------------------------------------------

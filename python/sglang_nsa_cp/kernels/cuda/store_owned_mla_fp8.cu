@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 8) store_owned_mla_fp8_ke
 
 }  // namespace
 
-// Arguments are checked by the Python caller (kernels/checks.py).
+// Arguments are checked by the Python caller (mla_fp8_store.store_owned_mla_fp8_cuda).
 void store_owned_mla_fp8(torch::Tensor shard, torch::Tensor slots, torch::Tensor kv, int64_t rank, int64_t cp_size,
                          int64_t page_size) {
   const int64_t n = kv.size(0);
