@@ -139,7 +139,7 @@ def _verify(decode: Pool, full: Pool, dst_pages: np.ndarray, what: str) -> None:
 def run(args) -> dict:
     from sglang.srt.disaggregation.utils import filter_kv_indices_for_shard_rank
 
-    from sglang_nsa_cp.disagg.engine import EngineConfig, MooncakeEngine
+    from sglang_nsa_cp.pd.engine import EngineConfig, MooncakeEngine
     from sglang_nsa_cp.sglang_ext.disaggregation.owner_grouped_pages import owner_grouped_pages
 
     n = -(-args.tokens // PAGE)

@@ -1,7 +1,9 @@
-"""Owned-page transfer (disagg/) on CPU: Mooncake over TCP, prefill ranks as spawned processes.
+"""Owned-page transfer (the disagg/ core, the pd/ transport) on CPU: Mooncake over TCP, prefill
+ranks as spawned processes.
 
 CPU only, about 30 s on 2 cores. The unit tests at the top need no process; the rest share a
-pool of 4 prefill-rank processes (RankPool) that a decode receiver in this process serves. Each
+pool of 4 prefill-rank processes (`comm.launch.RankPool`, kept alive across tests; each keeps its
+Mooncake engine and sender between calls) that a decode receiver in this process serves. Each
 rank builds its shard from a seed, so the test rebuilds every shard here to know what the decode
 must hold: at each request position k, the bytes of logical page p = pages[k] from rank p % N,
 local page p // N, in every layer, kv and index.
@@ -10,37 +12,38 @@ local page p // N, in every layer, kv and index.
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
 import os
 import random
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 
 import pytest
 import torch
 from sglang.test.ci.ci_register import register_cpu_ci
 
+from sglang_nsa_cp.comm import RankFailure, RankPool
 from sglang_nsa_cp.disagg import (
     CHECKSUM_MODULUS,
-    Committed,
-    EngineConfig,
-    Failed,
     KVBuffers,
-    Manifest,
-    MooncakeEngine,
-    OwnedPageReceiver,
-    OwnedPageSender,
-    PageAllocator,
-    build_transfer_batch,
+    PageClaims,
     check_coverage,
     coalesce_runs,
-    new_nonce,
     page_checksums,
     plan_owned_pages,
 )
 from sglang_nsa_cp.kernels.formats import INDEX_ROW_BYTES
+from sglang_nsa_cp.layout import OutOfPages, OwnerClassedAllocator
+from sglang_nsa_cp.pd import (
+    Committed,
+    EngineConfig,
+    Failed,
+    MooncakeEngine,
+    OwnedPageReceiver,
+    OwnedPageSender,
+    build_transfer_batch,
+    new_nonce,
+)
 
 register_cpu_ci(est_time=30, suite="nsa-cp-test-cpu")
 
@@ -157,98 +160,35 @@ def _send_with_fault(sender: OwnedPageSender, address: str, request_id, nonce, p
     return result
 
 
-def _rank_main(conn) -> None:
-    engine = MooncakeEngine(EngineConfig())
-    sender = None
-    while True:
-        cmd, args = conn.recv()
-        if cmd == "exit":
-            if sender is not None:
-                sender.close()
-            os._exit(0)  # skips the interpreter's teardown of the TransferEngine (about 1 s)
-        try:
-            if cmd == "setup":
-                case, rank = args
-                if sender is not None:
-                    sender.close()
-                sender = OwnedPageSender(
-                    make_shard(case, rank), rank, case.cp_size, engine=engine, timeout_s=10, secret=SECRET
-                )
-                result = None
-            elif cmd == "send":
-                result = _send_with_fault(sender, *args)
-            else:
-                raise ValueError(f"unknown command {cmd!r}")
-            conn.send(("ok", result))
-        except Exception:  # forwarded to the parent with the traceback, like MultiProcessTestCase
-            conn.send(("error", traceback.format_exc()))
+_RANK = {}  # in each rank process: its Mooncake engine, and its sender with the case it serves
 
 
-class RankPool:
-    """Long-lived prefill rank processes (spawn), driven by commands over pipes."""
+def _sender(case: Case, rank: int) -> OwnedPageSender:
+    """This rank's sender for `case`, built on first use (the process keeps it between calls)."""
+    if "engine" not in _RANK:
+        _RANK["engine"] = MooncakeEngine(EngineConfig())
+    if _RANK.get("case") != case:
+        if "sender" in _RANK:
+            _RANK["sender"].close()
+        _RANK["sender"] = OwnedPageSender(
+            make_shard(case, rank), rank, case.cp_size, engine=_RANK["engine"], timeout_s=10, secret=SECRET
+        )
+        _RANK["case"] = case
+    return _RANK["sender"]
 
-    def __init__(self, size: int):
-        self._ctx = mp.get_context("spawn")
-        self._procs: list = [None] * size
-        self._conns: list = [None] * size
-        for rank in range(size):
-            self._start(rank)
 
-    def _start(self, rank: int) -> None:
-        parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_rank_main, args=(child,), daemon=True)
-        proc.start()
-        self._procs[rank], self._conns[rank] = proc, parent
-
-    def setup(self, case: Case) -> None:
-        for rank in range(case.cp_size):
-            if not self._procs[rank].is_alive():
-                self._start(rank)
-        self.run({rank: ("setup", (case, rank)) for rank in range(case.cp_size)})
-
-    def post(self, rank: int, command: tuple) -> None:
-        self._conns[rank].send(command)
-
-    def run(self, commands: dict, timeout_s: float = 30.0) -> dict:
-        """Send every rank its command, then collect all answers; a failure names its rank."""
-        for rank, command in commands.items():
-            self.post(rank, command)
-        return {rank: self.answer(rank, timeout_s) for rank in commands}
-
-    def answer(self, rank: int, timeout_s: float = 30.0):
-        conn, proc = self._conns[rank], self._procs[rank]
-        deadline = time.monotonic() + timeout_s
-        while not conn.poll(0.05):
-            if not proc.is_alive():
-                raise RuntimeError(f"rank {rank} died (exit code {proc.exitcode})")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {rank} gave no answer within {timeout_s} s")
-        status, payload = conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"rank {rank} failed:\n{payload}")
-        return payload
-
-    def join_dead(self, rank: int, timeout_s: float = 10.0) -> int:
-        self._procs[rank].join(timeout_s)
-        assert not self._procs[rank].is_alive(), f"rank {rank} should have exited"
-        return self._procs[rank].exitcode
-
-    def close(self) -> None:
-        for conn, proc in zip(self._conns, self._procs):
-            if proc.is_alive():
-                conn.send(("exit", None))
-        for proc in self._procs:
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+def _send(rank, world_size, group, case: Case, address: str, request_id, nonce, pages, faults):
+    """One call on every pool rank: the ranks of `case` send the request (rank r with fault
+    faults.get(r); "silent" sends nothing); the pool's other ranks have nothing to do."""
+    if rank >= case.cp_size or faults.get(rank) == "silent":
+        return None
+    return _send_with_fault(_sender(case, rank), address, request_id, nonce, pages, faults.get(rank))
 
 
 @pytest.fixture(scope="module")
 def ranks():
-    pool = RankPool(4)
-    yield pool
-    pool.close()
+    with RankPool(4, backend=None, timeout_s=90) as pool:
+        yield pool
 
 
 @pytest.fixture(scope="module")
@@ -266,18 +206,17 @@ def make_receiver(case: Case, engine, num_pages: int = 64, **kwargs) -> OwnedPag
     return OwnedPageReceiver(make_pool(case, num_pages, seed=None), engine=engine, secret=SECRET, **kwargs)
 
 
+def send(ranks: RankPool, rx: OwnedPageReceiver, case: Case, request_id, nonce, pages, faults=None) -> dict:
+    """Every rank of `case` sends the request (with its fault); rank -> its SendResult."""
+    results = ranks.run(_send, args=(case, rx.address, request_id, nonce, pages, faults or {}))
+    return {r: res for r, res in enumerate(results) if res is not None}
+
+
 def transfer(ranks: RankPool, rx: OwnedPageReceiver, case: Case, request_id, pages, faults=None):
     """Expect the request, let every rank send (with its fault), return (dst, results, status)."""
-    faults = faults or {}
     nonce = new_nonce()
     dst = rx.expect(request_id, len(pages), case.cp_size, nonce=nonce)
-    results = ranks.run(
-        {
-            r: ("send", (rx.address, request_id, nonce, pages, faults.get(r)))
-            for r in range(case.cp_size)
-            if faults.get(r) != "silent"
-        }
-    )
+    results = send(ranks, rx, case, request_id, nonce, pages, faults)
     return dst, results, rx.wait(request_id, timeout_s=15)
 
 
@@ -295,9 +234,9 @@ def compute_owner_pages(cp_size: int, owners_and_counts: list[tuple[int, int]]) 
     return pages
 
 
-def fragment(allocator: PageAllocator) -> list[int]:
+def fragment(allocator: OwnerClassedAllocator) -> list[int]:
     """Leave holes at the low end, so the next request's decode pages are not all consecutive."""
-    taken = allocator.alloc(10)
+    taken = allocator.alloc([0] * 10)
     allocator.free([taken[i] for i in (1, 2, 5)])
     return [taken[i] for i in range(10) if i not in (1, 2, 5)]
 
@@ -381,7 +320,7 @@ def test_checksum_matches_formula_and_catches_changes():
 
 def test_check_coverage_names_every_problem():
     def manifest(rank, positions, pages):
-        return Manifest("r", 1, rank, 2, 6, tuple(positions), tuple(pages), (0,) * len(pages), 0, 0)
+        return PageClaims(rank, 2, 6, tuple(positions), tuple(pages), (0,) * len(pages))
 
     good = {0: manifest(0, [0, 2, 4], [10, 12, 14]), 1: manifest(1, [1, 3, 5], [11, 13, 15])}
     assert check_coverage(6, 2, good).ok
@@ -410,18 +349,21 @@ def test_kv_buffers_reject_bad_shapes():
         KVBuffers([kv], [torch.zeros(2, 3, dtype=torch.uint8)], 64)
 
 
-def test_allocator_lowest_first_and_rejects_double_free():
-    alloc = PageAllocator(8, reserved=[0])
-    first = alloc.alloc(3)
-    assert first == [1, 2, 3] and alloc.num_free == 4
-    alloc.free([2])
-    assert alloc.alloc(1) == [2]
+def test_decode_allocator_lowest_first_and_rejects_double_free():
+    """The decode's allocator: the owner-classed one with one class (the decode has no CP)."""
+    alloc = OwnerClassedAllocator(8, cp_size=1)
+    first = alloc.alloc([0] * 3)
+    assert first == [0, 1, 2] and alloc.free_pages() == 5
+    alloc.free([1])
+    assert alloc.alloc([0]) == [1]
     with pytest.raises(ValueError, match="listed twice"):
-        alloc.free([3, 3])
+        alloc.free([2, 2])
     with pytest.raises(ValueError, match="not allocated"):
         alloc.free([7])
-    with pytest.raises(RuntimeError, match="need 9 decode pages"):
-        alloc.alloc(9)
+    with pytest.raises(OutOfPages, match="asked for 9 pages but only 5 are free"):
+        alloc.alloc([0] * 9)
+    with pytest.raises(ValueError, match="no CP: use OwnerClassedAllocator"):
+        OwnedPageReceiver(make_pool(Case(1, "bf16"), 8, seed=None), allocator=OwnerClassedAllocator(8, 2))
 
 
 def test_one_rank_in_process_with_split_batches(decode_engine, prefill_engine):
@@ -477,7 +419,6 @@ TRANSFER_CASES = [Case(2, "bf16"), Case(2, "fp8", seed=1), Case(4, "bf16", seed=
 def test_transfer_lands_the_logical_view(ranks, decode_engine, case):
     """Two requests pending at once: rotating owners, then compute-owner runs."""
     n = case.cp_size
-    ranks.setup(case)
     rx = make_receiver(case, decode_engine, timeout_s=20)
     try:
         busy = fragment(rx.allocator)
@@ -489,7 +430,7 @@ def test_transfer_lands_the_logical_view(ranks, decode_engine, case):
         dst = {rid: rx.expect(rid, len(pages), n, nonce=nonces[rid]) for rid, pages in requests.items()}
         assert dst["rotating"][:3] != list(range(dst["rotating"][0], dst["rotating"][0] + 3))
         for rid, pages in requests.items():
-            ranks.run({r: ("send", (rx.address, rid, nonces[rid], pages, None)) for r in range(n)})
+            send(ranks, rx, case, rid, nonces[rid], pages)
         for rid, pages in requests.items():
             status = rx.wait(rid, timeout_s=15)
             assert status == Committed(rid, tuple(dst[rid])), f"{case=}, {rid}: {status}"
@@ -498,7 +439,7 @@ def test_transfer_lands_the_logical_view(ranks, decode_engine, case):
         assert_untouched(rx.buffers, set(range(rx.buffers.num_pages)) - written)
         for rid in requests:
             rx.release(rid)
-        assert rx.allocator.num_free == rx.buffers.num_pages - len(busy)
+        assert rx.allocator.free_pages() == rx.buffers.num_pages - len(busy)
     finally:
         rx.close()
 
@@ -506,7 +447,6 @@ def test_transfer_lands_the_logical_view(ranks, decode_engine, case):
 def test_each_rank_sends_a_1_over_n_share(ranks, decode_engine):
     """Bytes per rank against CP rank 0 sending every page, as SGLang 0.5.23 does by default."""
     case = Case(4, "bf16", seed=4)
-    ranks.setup(case)
     rx = make_receiver(case, decode_engine, timeout_s=20)
     bytes_per_page = rx.buffers.bytes_per_page()  # all layers, kv + index
     buffers = 2 * case.num_layers
@@ -536,10 +476,9 @@ def test_each_rank_sends_a_1_over_n_share(ranks, decode_engine):
 
 def test_killed_or_silent_rank_fails_the_request_after_the_timeout(ranks, decode_engine):
     case = Case(2, "bf16", seed=5)
-    ranks.setup(case)
     rx = make_receiver(case, decode_engine, timeout_s=1.5)
     pages = interleaved_pages(0, 6)
-    free_before = rx.allocator.num_free
+    free_before = rx.allocator.free_pages()
     try:
         # Rank 1 never sends: nothing can be in flight, so the pages are free at once.
         dst, _, status = transfer(ranks, rx, case, "silent", pages, faults={1: "silent"})
@@ -547,24 +486,24 @@ def test_killed_or_silent_rank_fails_the_request_after_the_timeout(ranks, decode
         assert status.reason == ("timed out after 1.5 s: no manifest from rank(s) [1]; missing positions [1, 3, 5]"), (
             status.reason
         )
-        assert rx.allocator.num_free == free_before and rx.num_fenced_pages == 0
-        # Rank 1 dies holding the destinations: its pages stay fenced until the decode finds its
-        # connection closed (the cancel it sends cannot be routed), never on a timer.
+        assert rx.allocator.free_pages() == free_before and rx.num_fenced_pages == 0
+        # Rank 0 sends; rank 1 dies holding the destinations: its pages stay fenced until the
+        # decode finds its connection closed (the cancel it sends cannot be routed), never on a
+        # timer. The pool names the dead rank and stops the others; its next call starts fresh ones.
         rx.release("silent")
         nonce = new_nonce()
         dst = rx.expect("killed", len(pages), 2, nonce=nonce)
-        ranks.post(1, ("send", (rx.address, "killed", nonce, pages, "die_after_fetch")))
-        assert ranks.run({0: ("send", (rx.address, "killed", nonce, pages, None))})[0].num_pages == 3
-        assert ranks.join_dead(1) == 3
+        assert send(ranks, rx, case, "killed", nonce, pages, faults={1: "silent"})[0].num_pages == 3
+        with pytest.raises(RankFailure, match=r"rank 1/4 failed:\nprocess exited with code 3"):
+            send(ranks, rx, case, "killed", nonce, pages, faults={0: "silent", 1: "die_after_fetch"})
         status = rx.wait("killed", timeout_s=10)
         assert isinstance(status, Failed), status
         assert "no manifest from rank(s) [1]" in status.reason, status.reason
         deadline = time.monotonic() + 5
         while rx.num_fenced_pages and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert rx.num_fenced_pages == 0 and rx.allocator.num_free == free_before
+        assert rx.num_fenced_pages == 0 and rx.allocator.free_pages() == free_before
         # The receiver keeps serving: a restarted rank 1 and the next request commit.
-        ranks.setup(case)
         dst, _, status = transfer(ranks, rx, case, "after", pages)
         assert isinstance(status, Committed), status
         assert_decode_holds(case, rx.buffers, pages, dst)
@@ -583,7 +522,6 @@ FAULTS = [  # (fault of rank 1, cp_size, which report field names the bad positi
 @pytest.mark.parametrize("fault,cp_size,field", FAULTS, ids=[f[0] for f in FAULTS])
 def test_bad_manifest_fails_cleanly_and_the_next_request_commits(ranks, decode_engine, fault, cp_size, field):
     case = Case(cp_size, "fp8", seed=6)
-    ranks.setup(case)
     rx = make_receiver(case, decode_engine, timeout_s=10)
     pages = interleaved_pages(2, 3 * cp_size)
     owned_by_1 = [k for k, p in enumerate(pages) if p % cp_size == 1]
@@ -592,14 +530,14 @@ def test_bad_manifest_fails_cleanly_and_the_next_request_commits(ranks, decode_e
         "corrupt": [owned_by_1[0]],
         "duplicated": [next(k for k, p in enumerate(pages) if p % cp_size != 1)],
     }[field]
-    free_before = rx.allocator.num_free
+    free_before = rx.allocator.free_pages()
     try:
         _, _, status = transfer(ranks, rx, case, "bad", pages, faults={1: fault})
         assert isinstance(status, Failed), f"{fault=}: {status}"
         assert list(getattr(status.report, field)) == expected, f"{fault=}: {status.reason}"
         assert f"{field} positions" in status.reason, status.reason
         print(f"\n{fault}: {status.reason}")
-        assert rx.allocator.num_free == free_before, f"{fault=}: pages not freed"
+        assert rx.allocator.free_pages() == free_before, f"{fault=}: pages not freed"
         dst, _, status = transfer(ranks, rx, case, "good", pages)
         assert isinstance(status, Committed), f"after {fault=}: {status}"
         assert_decode_holds(case, rx.buffers, pages, dst)

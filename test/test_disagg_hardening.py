@@ -1,7 +1,8 @@
-"""The standalone owned-page protocol (disagg/) under hostile peers, late writers, reused ids and
-restarts: one regression test per finding of issue 17, plus load. CPU only, about 40 s on 2 busy
-cores. Everything runs in this process: the receiver, senders (threads where they must run at
-once) and raw ZMQ sockets that play an attacker, over one Mooncake TCP engine on 127.0.0.1.
+"""The standalone owned-page transport (pd/, on the disagg/ core) under hostile peers, late
+writers, reused ids and restarts: one regression test per finding of issue 17, plus load. CPU
+only, about 40 s on 2 busy cores. Everything runs in this process: the receiver, senders
+(threads where they must run at once) and raw ZMQ sockets that play an attacker, over one
+Mooncake TCP engine on 127.0.0.1.
 
 Data checks compare every decode page with its owner's shard page byte for byte (all layers, kv
 and index), as test_disagg.py does, so a write that lands in the wrong request shows.
@@ -20,23 +21,24 @@ import pytest
 import torch
 import zmq
 
-from sglang_nsa_cp.disagg import (
+from sglang_nsa_cp.disagg import KVBuffers, PageClaims, auth
+from sglang_nsa_cp.disagg.checksum import page_checksums
+from sglang_nsa_cp.disagg.plan import coalesce_runs
+from sglang_nsa_cp.pd import (
     Committed,
     EngineConfig,
     Failed,
-    KVBuffers,
     MooncakeEngine,
     OwnedPageReceiver,
     OwnedPageSender,
     Pending,
     TransferError,
+    build_transfer_batch,
     new_nonce,
+    protocol,
 )
-from sglang_nsa_cp.disagg import auth, protocol
-from sglang_nsa_cp.disagg.checksum import page_checksums
-from sglang_nsa_cp.disagg.plan import build_transfer_batch, coalesce_runs
-from sglang_nsa_cp.disagg.sender import SendResult
-from sglang_nsa_cp.disagg.protocol import TO_DECODE, TO_PREFILL, Auth, Hello, Layout, Manifest, Want
+from sglang_nsa_cp.pd.protocol import TO_DECODE, TO_PREFILL, Auth, Hello, Layout, Manifest, Want
+from sglang_nsa_cp.pd.sender import SendResult
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=41, suite="nsa-cp-test-cpu")
@@ -246,12 +248,14 @@ def test_authenticated_rank_with_absurd_claims_fails_only_its_request_fast(engin
                 "type": "manifest",
                 "request_id": "absurd",
                 "nonce": nonce,
-                "rank": 1,
-                "cp_size": 20_000_000,
-                "num_pages": 20_000_000,
-                "positions": [],
-                "logical_pages": [],
-                "checksums": [],
+                "claims": {
+                    "rank": 1,
+                    "cp_size": 20_000_000,
+                    "num_pages": 20_000_000,
+                    "positions": [],
+                    "logical_pages": [],
+                    "checksums": [],
+                },
                 "nbytes": 0,
                 "num_transfers": 0,
             }
@@ -266,8 +270,12 @@ def test_authenticated_rank_with_absurd_claims_fails_only_its_request_fast(engin
                 "asked for a request of 9 pages from a CP group of 2; the decode expected 4 pages from 2",
             ),
             (
-                Manifest("absurd", nonce, 1, 2, 4, tuple(range(6)), tuple(range(6)), (0,) * 6, 0, 0),
-                "6 positions, 6 pages and 6 checksums for a request of 4 pages",
+                Manifest("absurd", nonce, PageClaims(1, 2, 4, tuple(range(6)), tuple(range(6)), (0,) * 6), 0, 0),
+                "claims 6 positions of a request of 4 pages",
+            ),
+            (
+                Manifest("absurd", nonce, PageClaims(1, 2, 4, (1, 3), (1, 3), (0,)), 0, 0),
+                "claims 2 positions, 2 pages and 1 checksums (expected 2)",
             ),
         ]
         for i, (msg, needle) in enumerate(cases):
@@ -297,12 +305,7 @@ def test_authenticated_rank_with_absurd_claims_fails_only_its_request_fast(engin
                         Manifest(
                             rid,
                             nonce,
-                            1,
-                            rng.choice([1, 2]),
-                            rng.choice([4, 1]),
-                            pages,
-                            pages,
-                            pages[::-1],
+                            PageClaims(1, rng.choice([1, 2]), rng.choice([4, 1]), pages, pages, pages[::-1]),
                             rng.randrange(1 << 40),
                             rng.randrange(99),
                         ),
@@ -320,7 +323,7 @@ def test_authenticated_rank_with_absurd_claims_fails_only_its_request_fast(engin
             time.sleep(0.05)
         commit(rx, group, "after-absurd", list(range(6)))
         rx.release("after-absurd")
-        assert rx.num_fenced_pages == 0 and rx.allocator.num_free == rx.buffers.num_pages
+        assert rx.num_fenced_pages == 0 and rx.allocator.free_pages() == rx.buffers.num_pages
     finally:
         rogue.close()
         group.close()
@@ -347,7 +350,7 @@ def test_unkeyed_or_mis_keyed_peers_learn_nothing_and_forge_nothing(engine):
         nonce = new_nonce()
         dst = rx.expect("target", 4, 2, nonce=nonce)
         for rank, positions in ((0, (0, 2)), (1, (1, 3))):
-            forger.send_msg(Manifest("target", nonce, rank, 2, 4, positions, positions, (0, 0), 0, 0))
+            forger.send_msg(Manifest("target", nonce, PageClaims(rank, 2, 4, positions, positions, (0, 0)), 0, 0))
         forger.send_msg(protocol.Abort("target", nonce, "forged", drained=True))
         time.sleep(0.3)
         assert isinstance(rx.poll("target"), Pending), rx.poll("target")
@@ -399,7 +402,7 @@ def test_late_write_after_a_timeout_cannot_reach_the_next_request(engine):
             assert rx.num_fenced_pages == 0, f"{honours_cancel=}: pages still fenced"
             assert not wrong_positions(rx.buffers, group.shards, list(range(20, 36)), nxt), "next was overwritten"
             rx.release("next")
-            assert rx.allocator.num_free == 24
+            assert rx.allocator.free_pages() == 24
     finally:
         group.close()
         rx.close()
@@ -419,7 +422,8 @@ def test_a_reused_request_id_never_takes_messages_of_its_earlier_use(engine):
         rx.release("r")  # the first use is cancelled before its ranks came
         assert type(stale.authenticate(1, 2, rx.buffers.layout())).__name__ == "Welcome"
         stale.send_msg(Want("r", old_nonce, 2, len(pages), 5))  # the old use's rank 1, late
-        stale.send_msg(Manifest("r", old_nonce, 1, 2, len(pages), (1, 3, 5, 7, 9), (1, 3, 5, 7, 9), (0,) * 5, 0, 0))
+        claims = PageClaims(1, 2, len(pages), (1, 3, 5, 7, 9), (1, 3, 5, 7, 9), (0,) * 5)
+        stale.send_msg(Manifest("r", old_nonce, claims, 0, 0))
         nonce = new_nonce()
         dst = rx.expect("r", len(pages), 2, nonce=nonce)
         threads, errors = new.send_all(rx.address, "r", pages, nonce)
@@ -568,7 +572,7 @@ def test_checksum_verification_does_not_stall_other_requests(engine, monkeypatch
     """Finding: the checksum of a 2048-page request ran on the serving thread under its lock,
     stalling another request's poll() by 1 s. Now it runs on the verifier thread, off the lock.
     The checksum is slowed to 1 s here (as on a busy GPU), so the test does not depend on load."""
-    import sglang_nsa_cp.disagg.receiver as receiver_module
+    import sglang_nsa_cp.pd.receiver as receiver_module
 
     def slow_checksums(buffers, pages):
         time.sleep(1.0)
@@ -636,7 +640,7 @@ def test_load_200_concurrent_requests_and_a_4096_page_request(engine):
         huge_s = time.monotonic() - start
         rx.release("huge")
         print(f"\n200 requests x 2 ranks: {small_s:.2f} s; one 4096-page request: {huge_s:.2f} s")
-        assert rx.allocator.num_free == rx.buffers.num_pages and rx.num_fenced_pages == 0
+        assert rx.allocator.free_pages() == rx.buffers.num_pages and rx.num_fenced_pages == 0
         assert rx.stats.committed == 201 and rx.stats.failed == 0, rx.stats
     finally:
         group.close()
@@ -714,7 +718,7 @@ def test_a_rank_that_gave_up_waiting_does_not_fence_the_pages(engine):
         status = rx.wait("late", timeout_s=5)
         assert isinstance(status, Failed) and "rank 0 aborted: rank 0 gave up" in status.reason, status
         rx.release("late")
-        assert rx.num_fenced_pages == 0 and rx.allocator.num_free == rx.buffers.num_pages
+        assert rx.num_fenced_pages == 0 and rx.allocator.free_pages() == rx.buffers.num_pages
     finally:
         impatient.close()
         rx.close()

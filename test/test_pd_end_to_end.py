@@ -18,7 +18,7 @@ import pytest
 import torch
 from sglang.test.ci.ci_register import register_cpu_ci
 
-from sglang_nsa_cp.disagg import PageAllocator
+from sglang_nsa_cp.layout import OwnerClassedAllocator
 from sglang_nsa_cp.oracle import Scenario
 from sglang_nsa_cp.pd import DecodeKV, run_pd
 from sglang_nsa_cp.shared_kv import KVStore
@@ -52,20 +52,22 @@ def check_pd(report: dict) -> None:
 
 def test_decode_kv_takes_new_pages_from_the_decode_allocator():
     store = KVStore.replicated(num_layers=1, num_pages=8, page_size=16, latent_dim=8, latent_dtype=torch.float32)
-    allocator = PageAllocator(8)
-    transferred = allocator.alloc(2)  # what the receiver's expect() hands out
+    allocator = OwnerClassedAllocator(8, cp_size=1)  # the decode's: one owner class
+    transferred = allocator.alloc([0, 0])  # what the receiver's expect() hands out
     ctx = DecodeKV(store, allocator)
     ctx.adopt("a", transferred, 20)  # 20 tokens: page 0 full, page 1 holds 4
     positions, request_ids = ctx.begin_batch(["a"], [13])  # 33 tokens: one more page
     assert positions.tolist() == list(range(20, 33)) and request_ids.tolist() == [0] * 13
-    assert ctx.table.pages["a"][:2] == transferred and allocator.num_free == 5
+    assert ctx.table.pages["a"][:2] == transferred and allocator.free_pages() == 5
     slots = ctx.slots_of("a")
     assert slots[:20].tolist() == [transferred[p // 16] * 16 + p % 16 for p in range(20)]
     assert torch.equal(ctx.batch.out_cache_loc, slots[20:])
     ctx.release("a")  # frees the page decode took; the transferred ones are the receiver's
-    assert allocator.num_free == 6
+    assert allocator.free_pages() == 6
     with pytest.raises(ValueError, match="need 2 pages"):
         ctx.adopt("b", [5], 17)
+    with pytest.raises(ValueError, match="need KVStore.replicated and a cp_size 1 allocator"):
+        DecodeKV(store, OwnerClassedAllocator(8, cp_size=2))
 
 
 def test_two_prefill_ranks_to_one_decode():

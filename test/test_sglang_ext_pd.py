@@ -40,7 +40,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import queue  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -50,10 +49,9 @@ from types import SimpleNamespace  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
-from sglang_nsa_cp.comm.launch import free_port  # noqa: E402
+from sglang_nsa_cp.comm.launch import free_port, run_ranks  # noqa: E402
 
 register_cpu_ci(est_time=120, suite="nsa-cp-test-cpu")
 
@@ -200,13 +198,6 @@ def _port_open(port):
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _exit(results):
-    """Leave without the interpreter's teardown (Mooncake's and SGLang's threads make it slow)."""
-    results.close()
-    results.join_thread()
-    os._exit(0)
-
-
 # ---- the prefill CP rank ----------------------------------------------------------------------------
 class _Traffic:
     """Bytes and batch entries each request's transfers wrote, from SGLang's `_transfer_data`
@@ -323,195 +314,189 @@ def _install_faults(rank, faults, traffic):
     plugin_conn.self_check = lenient_self_check
 
 
-def _prefill_rank(rank, cp_size, bootstrap_port, requests, faults, results, stop, draft=False, kv="bfloat16"):
-    try:
-        _env()
-        _load_plugin()
-        server_args = _publish("prefill", cp_size, rank, bootstrap_port, shared_kv=True)
-        from sglang.srt.disaggregation.base.conn import KVPoll
-        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVBootstrapServer, MooncakeKVSender
-        from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
-        from sglang.srt.disaggregation.utils import TransferBackend
-        from sglang.srt.runtime_context import get_parallel
+def _prefill_rank(rank, cp_size, bootstrap_port, requests, faults, draft=False, kv="bfloat16") -> list:
+    results = []
+    _env()
+    _load_plugin()
+    server_args = _publish("prefill", cp_size, rank, bootstrap_port, shared_kv=True)
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVBootstrapServer, MooncakeKVSender
+    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+    from sglang.srt.disaggregation.utils import TransferBackend
+    from sglang.srt.runtime_context import get_parallel
 
-        from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import SharedKVDSATokenToKVPool
+    from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import SharedKVDSATokenToKVPool
 
-        if rank == 0:  # in SGLang the prefill's HTTP server process runs it
-            MooncakeKVBootstrapServer("127.0.0.1", bootstrap_port)
-        _wait(lambda: _port_open(bootstrap_port), bool, 90, "bootstrap server", interval_s=0.2)
-        draft_pool = None
-        with get_parallel().override(attn_dcp_size=1, dcp_enabled=False):
-            pool = SharedKVDSATokenToKVPool(
-                **_pool_kwargs((PREFILL_PAGES - 1) * PAGE, kv), cp_rank=rank, cp_size=cp_size, cp_group=None
+    if rank == 0:  # in SGLang the prefill's HTTP server process runs it
+        MooncakeKVBootstrapServer("127.0.0.1", bootstrap_port)
+    _wait(lambda: _port_open(bootstrap_port), bool, 90, "bootstrap server", interval_s=0.2)
+    draft_pool = None
+    with get_parallel().override(attn_dcp_size=1, dcp_enabled=False):
+        pool = SharedKVDSATokenToKVPool(
+            **_pool_kwargs((PREFILL_PAGES - 1) * PAGE, kv), cp_rank=rank, cp_size=cp_size, cp_group=None
+        )
+        if draft:  # the MTP layer's own shard, as the configurator hook builds it for an EAGLE draft
+            draft_pool = SharedKVDSATokenToKVPool(
+                **_pool_kwargs((PREFILL_PAGES - 1) * PAGE, kv, layers=1),
+                cp_rank=rank,
+                cp_size=cp_size,
+                cp_group=None,
             )
-            if draft:  # the MTP layer's own shard, as the configurator hook builds it for an EAGLE draft
-                draft_pool = SharedKVDSATokenToKVPool(
-                    **_pool_kwargs((PREFILL_PAGES - 1) * PAGE, kv, layers=1),
-                    cp_rank=rank,
-                    cp_size=cp_size,
-                    cp_group=None,
-                )
-        _fill_shard(pool, rank, cp_size, kv, sorted({p for req in requests for p in req["pages"]}))
-        if draft_pool is not None:
-            _fill_shard(draft_pool, rank, cp_size, first_layer=LAYERS)
-        traffic = _Traffic()
-        traffic.install()
-        _install_faults(rank, faults, traffic)
-        queue_stub = SimpleNamespace(
-            transfer_backend=TransferBackend.MOONCAKE, tp_rank=rank, pp_rank=0, token_to_kv_pool=pool,
-            draft_token_to_kv_pool=draft_pool, is_mla_backend=True, metadata_buffers=_metadata_buffers(),
-            scheduler=_scheduler_stub(server_args, kv),
-        )  # fmt: skip
-        mgr = PrefillBootstrapQueue._init_kv_manager(queue_stub)
-        assert mgr.enable_all_cp_ranks_for_transfer and not mgr.is_dummy_cp_rank
-        assert (mgr.kv_shard_rank, mgr.kv_shard_size) == (rank, cp_size)
-        info = {"kv_item_lens": list(mgr.kv_args.kv_item_lens), "state_item_lens": [list(x) for x in mgr.kv_args.state_item_lens],
-                "aux_bytes": sum(mgr.kv_args.aux_item_lens)}  # fmt: skip
-        results.put(("ready", rank, info))
+    _fill_shard(pool, rank, cp_size, kv, sorted({p for req in requests for p in req["pages"]}))
+    if draft_pool is not None:
+        _fill_shard(draft_pool, rank, cp_size, first_layer=LAYERS)
+    traffic = _Traffic()
+    traffic.install()
+    _install_faults(rank, faults, traffic)
+    queue_stub = SimpleNamespace(
+        transfer_backend=TransferBackend.MOONCAKE, tp_rank=rank, pp_rank=0, token_to_kv_pool=pool,
+        draft_token_to_kv_pool=draft_pool, is_mla_backend=True, metadata_buffers=_metadata_buffers(),
+        scheduler=_scheduler_stub(server_args, kv),
+    )  # fmt: skip
+    mgr = PrefillBootstrapQueue._init_kv_manager(queue_stub)
+    assert mgr.enable_all_cp_ranks_for_transfer and not mgr.is_dummy_cp_rank
+    assert (mgr.kv_shard_rank, mgr.kv_shard_size) == (rank, cp_size)
+    info = {"kv_item_lens": list(mgr.kv_args.kv_item_lens), "state_item_lens": [list(x) for x in mgr.kv_args.state_item_lens],
+            "aux_bytes": sum(mgr.kv_args.aux_item_lens)}  # fmt: skip
+    results.append(("ready", rank, info))
 
-        def serve(req):
-            room = req["room"]
-            if rank in req.get("silent", ()):
-                return {"status": "silent"}
-            sender = MooncakeKVSender(mgr, f"127.0.0.1:{bootstrap_port}", room)
-            _wait(sender.poll, lambda s: s in (KVPoll.WaitingForInput, KVPoll.Failed), 60, f"room {room} bootstrap")
-            pages = np.asarray(req["pages"], dtype=np.int32)
-            sender.init(len(pages), aux_index=req["aux"])
-            start = 0
-            for i, size in enumerate(req["chunks"]):
-                last = i == len(req["chunks"]) - 1
-                sender.send(pages[start : start + size], [pages.copy()] if last else None)
-                start += size
-            status = _wait(sender.poll, lambda s: s in (KVPoll.Success, KVPoll.Failed), 60, f"room {room} transfer")
-            with mgr.failure_lock:
-                reason = mgr.failure_records.get(room)
-            sender.clear()  # as the scheduler does once the room failed, a slowed write still going
-            _wait(lambda: room not in traffic.slowed, lambda done: done, 30, f"room {room} late write")
-            with traffic.lock:
-                stats = traffic.rooms.get(room, {"pages": [0, 0], "aux": [0, 0]})
-            return {
-                "status": _status_name(status),
-                "reason": reason,
-                "stats": stats,
-                "write_end": traffic.write_end.get(room),
-            }
+    def serve(req):
+        room = req["room"]
+        if rank in req.get("silent", ()):
+            return {"status": "silent"}
+        sender = MooncakeKVSender(mgr, f"127.0.0.1:{bootstrap_port}", room)
+        _wait(sender.poll, lambda s: s in (KVPoll.WaitingForInput, KVPoll.Failed), 60, f"room {room} bootstrap")
+        pages = np.asarray(req["pages"], dtype=np.int32)
+        sender.init(len(pages), aux_index=req["aux"])
+        start = 0
+        for i, size in enumerate(req["chunks"]):
+            last = i == len(req["chunks"]) - 1
+            sender.send(pages[start : start + size], [pages.copy()] if last else None)
+            start += size
+        status = _wait(sender.poll, lambda s: s in (KVPoll.Success, KVPoll.Failed), 60, f"room {room} transfer")
+        with mgr.failure_lock:
+            reason = mgr.failure_records.get(room)
+        sender.clear()  # as the scheduler does once the room failed, a slowed write still going
+        _wait(lambda: room not in traffic.slowed, lambda done: done, 30, f"room {room} late write")
+        with traffic.lock:
+            stats = traffic.rooms.get(room, {"pages": [0, 0], "aux": [0, 0]})
+        return {
+            "status": _status_name(status),
+            "reason": reason,
+            "stats": stats,
+            "write_end": traffic.write_end.get(room),
+        }
 
-        def run(req):
-            try:
-                results.put(("room", rank, req["room"], serve(req)))
-            except BaseException:
-                results.put(("error", rank, traceback.format_exc()))
+    def run(req):
+        try:
+            results.append(("room", rank, req["room"], serve(req)))
+        except BaseException:
+            results.append(("error", rank, traceback.format_exc()))
 
-        threads = [threading.Thread(target=run, args=(req,), daemon=True) for req in requests]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        results.put(("done", rank, None))
-        stop.wait(timeout=300)
-    except BaseException:
-        results.put(("error", rank, traceback.format_exc()))
-    _exit(results)
+    threads = [threading.Thread(target=run, args=(req,), daemon=True) for req in requests]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    errors = [msg[2] for msg in results if msg[0] == "error"]
+    assert not errors, f"prefill rank {rank}: a request's thread failed:\n" + "\n".join(errors)
+    return results
 
 
 # ---- the decode instance ------------------------------------------------------------------------------
-def _decode(name, plugin, bootstrap_port, requests, results, stop, draft=False, kv="bfloat16"):
-    try:
-        _env(waiting_timeout=WAITING_TIMEOUT_S)
-        if plugin:
-            _load_plugin()
-        server_args = _publish("decode", 1, 0, bootstrap_port, shared_kv=False)
-        from sglang.srt.disaggregation.base.conn import KVPoll
-        from sglang.srt.disaggregation.decode import DecodePreallocQueue
-        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
-        from sglang.srt.disaggregation.utils import TransferBackend
-        from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
-        from sglang.srt.runtime_context import get_parallel
+def _decode(name, plugin, bootstrap_port, requests, draft=False, kv="bfloat16") -> list:
+    results = []
+    _env(waiting_timeout=WAITING_TIMEOUT_S)
+    if plugin:
+        _load_plugin()
+    server_args = _publish("decode", 1, 0, bootstrap_port, shared_kv=False)
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
+    from sglang.srt.disaggregation.utils import TransferBackend
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.runtime_context import get_parallel
 
-        if not plugin:
-            from sglang.srt.plugins.hook_registry import HookRegistry
+    if not plugin:
+        from sglang.srt.plugins.hook_registry import HookRegistry
 
-            assert not HookRegistry._patched, "the stock decode must run without the plugin"
-        page_bytes = KV_FORMATS[kv][2]
-        with get_parallel().override(attn_dcp_size=1, dcp_enabled=False):
-            pool = DSATokenToKVPool(**_pool_kwargs((DECODE_PAGES - 1) * PAGE, kv))
-            draft_pool = DSATokenToKVPool(**_pool_kwargs((DECODE_PAGES - 1) * PAGE, kv, layers=1)) if draft else None
-            replicated = None
-            if kv != "bfloat16":  # what a replicated prefill (SGLang's own pool, every row) holds
-                replicated = DSATokenToKVPool(**_pool_kwargs((PREFILL_PAGES - 1) * PAGE, kv))
-                _write_latent(replicated, sorted({p for req in requests for p in req["pages"]}))
+        assert not HookRegistry._patched, "the stock decode must run without the plugin"
+    page_bytes = KV_FORMATS[kv][2]
+    with get_parallel().override(attn_dcp_size=1, dcp_enabled=False):
+        pool = DSATokenToKVPool(**_pool_kwargs((DECODE_PAGES - 1) * PAGE, kv))
+        draft_pool = DSATokenToKVPool(**_pool_kwargs((DECODE_PAGES - 1) * PAGE, kv, layers=1)) if draft else None
+        replicated = None
+        if kv != "bfloat16":  # what a replicated prefill (SGLang's own pool, every row) holds
+            replicated = DSATokenToKVPool(**_pool_kwargs((PREFILL_PAGES - 1) * PAGE, kv))
+            _write_latent(replicated, sorted({p for req in requests for p in req["pages"]}))
 
-        def expected_latent(logical, layer):
-            if replicated is None:
-                return _pattern(logical, layer, 0, page_bytes)
-            return replicated.kv_buffer[layer].view(torch.uint8).view(-1, page_bytes)[logical]
+    def expected_latent(logical, layer):
+        if replicated is None:
+            return _pattern(logical, layer, 0, page_bytes)
+        return replicated.kv_buffer[layer].view(torch.uint8).view(-1, page_bytes)[logical]
 
-        # one entry per layer: the target's, then the MTP draft's (layer LAYERS)
-        latent = [
-            p.kv_buffer[i].view(torch.uint8).view(-1, page_bytes)
-            for p in (pool, draft_pool)
-            if p is not None
-            for i in range(p.layer_num)
-        ]
-        index = [p.index_key_cache.buffer[i] for p in (pool, draft_pool) if p is not None for i in range(p.layer_num)]
-        for t in latent + index:
-            t.fill_(SENTINEL)
-        queue_stub = SimpleNamespace(
-            transfer_backend=TransferBackend.MOONCAKE, tp_rank=0, pp_rank=0, token_to_kv_pool=pool,
-            draft_token_to_kv_pool=draft_pool, is_mla_backend=True, metadata_buffers=_metadata_buffers(),
-            enable_staging=False, scheduler=_scheduler_stub(server_args, kv),
-        )  # fmt: skip
-        mgr = DecodePreallocQueue._init_kv_manager(queue_stub)
-        addr = f"127.0.0.1:{bootstrap_port}"
-        _wait(lambda: mgr.try_ensure_parallel_info(addr), bool, 90, "prefill bootstrap", interval_s=0.5)
-        info = mgr.prefill_info_table[addr]
-        results.put(("ready", name, {"target_cp_ranks": list(info.target_cp_ranks),
-                                     "required": info.required_prefill_response_num}))  # fmt: skip
-        used: set[int] = set()
-        for req in requests:
-            room, dst = req["room"], np.asarray(req["dst"], dtype=np.int32)
-            t_room = time.monotonic()
-            receiver = MooncakeKVReceiver(mgr, addr, room)
-            receiver.init(prefill_dp_rank=0)
-            receiver.send_metadata(dst, req["aux"], [dst.copy()])
-            if "abort_after_s" in req:
-                used.update(int(d) for d in dst)
-                results.put(("room", name, room, _abort_and_wait_for_drain(mgr, receiver, req, latent, dst)))
-                continue
-            status = _wait(receiver.poll, lambda s: s in (KVPoll.Success, KVPoll.Failed), 60, f"room {room}")
-            with mgr.failure_lock:
-                reason = mgr.failure_records.get(room)
-            receiver.clear()
+    # one entry per layer: the target's, then the MTP draft's (layer LAYERS)
+    latent = [
+        p.kv_buffer[i].view(torch.uint8).view(-1, page_bytes)
+        for p in (pool, draft_pool)
+        if p is not None
+        for i in range(p.layer_num)
+    ]
+    index = [p.index_key_cache.buffer[i] for p in (pool, draft_pool) if p is not None for i in range(p.layer_num)]
+    for t in latent + index:
+        t.fill_(SENTINEL)
+    queue_stub = SimpleNamespace(
+        transfer_backend=TransferBackend.MOONCAKE, tp_rank=0, pp_rank=0, token_to_kv_pool=pool,
+        draft_token_to_kv_pool=draft_pool, is_mla_backend=True, metadata_buffers=_metadata_buffers(),
+        enable_staging=False, scheduler=_scheduler_stub(server_args, kv),
+    )  # fmt: skip
+    mgr = DecodePreallocQueue._init_kv_manager(queue_stub)
+    addr = f"127.0.0.1:{bootstrap_port}"
+    _wait(lambda: mgr.try_ensure_parallel_info(addr), bool, 90, "prefill bootstrap", interval_s=0.5)
+    info = mgr.prefill_info_table[addr]
+    results.append(("ready", name, {"target_cp_ranks": list(info.target_cp_ranks),
+                                 "required": info.required_prefill_response_num}))  # fmt: skip
+    used: set[int] = set()
+    for req in requests:
+        room, dst = req["room"], np.asarray(req["dst"], dtype=np.int32)
+        t_room = time.monotonic()
+        receiver = MooncakeKVReceiver(mgr, addr, room)
+        receiver.init(prefill_dp_rank=0)
+        receiver.send_metadata(dst, req["aux"], [dst.copy()])
+        if "abort_after_s" in req:
             used.update(int(d) for d in dst)
-            wrong = []
-            if status == KVPoll.Success:
-                for k, (logical, page) in enumerate(zip(req["pages"], dst)):
-                    for layer in range(len(latent)):
-                        if not torch.equal(latent[layer][page], expected_latent(logical, layer)):
-                            wrong.append(("latent", k, layer))
-                        if not torch.equal(index[layer][page], _pattern(logical, layer, 1, INDEX_PAGE_BYTES)):
-                            wrong.append(("index", k, layer))
-            untouched = [p for p in range(DECODE_PAGES) if p not in used]
-            stray = [p for p in untouched for t in (latent + index) if not bool((t[p] == SENTINEL).all())]
-            results.put(
-                (
-                    "room",
-                    name,
-                    room,
-                    {
-                        "status": _status_name(status),
-                        "reason": reason,
-                        "wrong": wrong,
-                        "stray": stray,
-                        "seconds": round(time.monotonic() - t_room, 2),
-                    },
-                )
+            results.append(("room", name, room, _abort_and_wait_for_drain(mgr, receiver, req, latent, dst)))
+            continue
+        status = _wait(receiver.poll, lambda s: s in (KVPoll.Success, KVPoll.Failed), 60, f"room {room}")
+        with mgr.failure_lock:
+            reason = mgr.failure_records.get(room)
+        receiver.clear()
+        used.update(int(d) for d in dst)
+        wrong = []
+        if status == KVPoll.Success:
+            for k, (logical, page) in enumerate(zip(req["pages"], dst)):
+                for layer in range(len(latent)):
+                    if not torch.equal(latent[layer][page], expected_latent(logical, layer)):
+                        wrong.append(("latent", k, layer))
+                    if not torch.equal(index[layer][page], _pattern(logical, layer, 1, INDEX_PAGE_BYTES)):
+                        wrong.append(("index", k, layer))
+        untouched = [p for p in range(DECODE_PAGES) if p not in used]
+        stray = [p for p in untouched for t in (latent + index) if not bool((t[p] == SENTINEL).all())]
+        results.append(
+            (
+                "room",
+                name,
+                room,
+                {
+                    "status": _status_name(status),
+                    "reason": reason,
+                    "wrong": wrong,
+                    "stray": stray,
+                    "seconds": round(time.monotonic() - t_room, 2),
+                },
             )
-        results.put(("done", name, None))
-        stop.wait(timeout=300)
-    except BaseException:
-        results.put(("error", name, traceback.format_exc()))
-    _exit(results)
+        )
+    return results
 
 
 def _abort_and_wait_for_drain(mgr, receiver, req, latent, dst):
@@ -535,49 +520,30 @@ def _abort_and_wait_for_drain(mgr, receiver, req, latent, dst):
 
 
 # ---- the harness --------------------------------------------------------------------------------------
+def _role(rank, world_size, group, cp_size, decodes, prefill_requests, faults, bootstrap_port, draft, kv) -> list:
+    """One process of a PD run (`run_ranks`): ranks 0..N-1 are the prefill CP ranks, the others
+    the decodes, in `decodes` order. Each serves until every role is done (the barrier: a prefill
+    rank's bootstrap server and transfer threads must outlive the decodes' last poll)."""
+    if rank < cp_size:
+        out = _prefill_rank(rank, cp_size, bootstrap_port, prefill_requests, faults, draft, kv)
+    else:
+        name, (plugin, requests) = list(decodes.items())[rank - cp_size]
+        out = _decode(name, plugin, bootstrap_port, requests, draft, kv)
+    torch.distributed.barrier(group)
+    return out
+
+
 def _run(cp_size, decodes, prefill_requests, faults, timeout_s=240, draft=False, kv="bfloat16"):
     """Start N prefill ranks and the decodes; return their reports. decodes: {name: (plugin, requests)};
     draft: every side also registers an MTP draft pool (EAGLE / NEXTN); kv: --kv-cache-dtype."""
-    ctx = mp.get_context("spawn")
-    results, stop = ctx.Queue(), ctx.Event()
-    port = free_port()
-    procs = {("prefill", r): ctx.Process(target=_prefill_rank, args=(r, cp_size, port, prefill_requests, faults, results, stop, draft, kv), daemon=True)
-             for r in range(cp_size)}  # fmt: skip
-    for name, (plugin, reqs) in decodes.items():
-        procs[("decode", name)] = ctx.Process(
-            target=_decode, args=(name, plugin, port, reqs, results, stop, draft, kv), daemon=True
-        )
-    for p in procs.values():
-        p.start()
-    reports = {"ready": {}, "room": {}, "done": set()}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(reports["done"]) < len(procs):
-            try:
-                msg = results.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
-            except queue.Empty:
-                dead = [k for k, p in procs.items() if p.exitcode not in (None, 0)]
-                assert not dead, f"{dead} exited"
-                assert time.monotonic() < deadline, (
-                    f"not done within {timeout_s} s: {sorted(map(str, reports['done']))} done"
-                )
-                continue
-            kind, who = msg[0], msg[1]
-            if kind == "error":
-                raise AssertionError(f"{who} failed:\n{msg[2]}")
+    args = (cp_size, decodes, prefill_requests, faults, free_port(), draft, kv)
+    reports = {"ready": {}, "room": {}}
+    for messages in run_ranks(_role, cp_size + len(decodes), args=args, timeout_s=timeout_s):
+        for kind, who, *rest in messages:
             if kind == "ready":
-                reports["ready"][who] = msg[2]
+                reports["ready"][who] = rest[0]
             elif kind == "room":
-                reports["room"][(who, msg[2])] = msg[3]
-            else:
-                reports["done"].add(who)
-    finally:
-        stop.set()
-        for p in procs.values():
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
+                reports["room"][(who, rest[0])] = rest[1]
     return reports
 
 
@@ -756,10 +722,13 @@ def _ledger_with(queued, index=True):
 
 
 def test_rank_self_check_names_what_it_did_not_send():
+    from sglang_nsa_cp.disagg import PageClaims
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import RankClaims
+
     manifest, problem = _ledger_with([(0, 5), (2, 6), (4, 7)]).finish(7)
     assert problem is None
-    assert manifest == {"rank": 0, "cp_size": 2, "kv": {"total": 6, "positions": [0, 2, 4], "pages": [10, 12, 14]},
-                        "index": {"total": 6, "positions": [0, 2, 4], "pages": [10, 12, 14]}}  # fmt: skip
+    sent = PageClaims(rank=0, cp_size=2, num_pages=6, positions=(0, 2, 4), logical_pages=(10, 12, 14))
+    assert manifest == RankClaims(kv=sent, index=sent), manifest
     cases = {
         "owned KV pages not sent at positions [4]": [(0, 5), (2, 6)],
         "KV pages sent at positions it does not own [1]": [(0, 5), (1, 5), (2, 6), (4, 7)],
@@ -780,8 +749,12 @@ def test_rank_self_check_names_what_it_did_not_send():
 
 
 def _manifest(rank, positions, pages, total=4, cp=2, index=True):
-    kv = {"total": total, "positions": positions, "pages": pages}
-    return {"rank": rank, "cp_size": cp, "kv": kv, "index": dict(kv) if index else None}
+    """One CP rank's claims, as its ledger concludes them (the same pages for KV and index-K)."""
+    from sglang_nsa_cp.disagg import PageClaims
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import RankClaims
+
+    kv = PageClaims(rank, cp, total, tuple(positions), tuple(pages))
+    return RankClaims(kv=kv, index=kv if index else None)
 
 
 SECRET = b"plugin-test-secret-0123456789abc"
@@ -830,7 +803,7 @@ def _hostile_manifest_frames():
     """Frames a decode must turn into a reason, never an exception (issue 17's findings first)."""
     import msgspec
 
-    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import MANIFEST_TAG, encode_manifest
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import MANIFEST_TAG, RankClaims, encode_manifest
 
     good = encode_manifest(_manifest(1, [1, 3], [11, 13]), 9, 1, SECRET)
     unkeyed = MANIFEST_TAG + b"\x00"
@@ -838,10 +811,20 @@ def _hostile_manifest_frames():
         "nested": unkeyed + b"\x91" * 5000 + b"\x00",
         "oversized": unkeyed + b"\x00" * 10_000_000,
         "5000-digit int": MANIFEST_TAG + b"\x00" + b'{"rank": ' + b"9" * 5000 + b"}",
-        "type is a list": unkeyed + msgspec.msgpack.encode({"room": 9, "rank": [1], "cp_size": 2, "kv": []}),
+        "type is a list": unkeyed + msgspec.msgpack.encode({"room": 9, "kv": {"rank": [1], "cp_size": 2}}),
         "2e7 CP ranks": unkeyed
         + msgspec.msgpack.encode(
-            {"room": 9, "rank": 1, "cp_size": 20_000_000, "kv": {"total": 20_000_000, "positions": [], "pages": []}}
+            {
+                "room": 9,
+                "kv": {"rank": 1, "cp_size": 20_000_000, "num_pages": 20_000_000, "positions": [], "logical_pages": []},
+            }
+        ),  # fmt: skip
+        "positions and pages differ": unkeyed
+        + msgspec.msgpack.encode(
+            {"room": 9, "kv": {"rank": 1, "cp_size": 2, "num_pages": 4, "positions": [1, 3], "logical_pages": [11]}}
+        ),
+        "index-K of another rank": encode_manifest(
+            RankClaims(kv=_manifest(1, [1, 3], [11, 13]).kv, index=_manifest(0, [0, 2], [10, 12]).kv), 9, 1, SECRET
         ),
         "not signed": encode_manifest(_manifest(1, [1, 3], [11, 13]), 9, 1, None),
         "signed with another key": encode_manifest(_manifest(1, [1, 3], [11, 13]), 9, 1, b"x" * 32),

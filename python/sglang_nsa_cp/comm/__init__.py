@@ -8,10 +8,11 @@ from sglang_nsa_cp.comm.collectives import (
     gather_last_token_hidden,
     start_all_gather_rerange,
 )
-from sglang_nsa_cp.comm.launch import RankFailure, run_ranks
+from sglang_nsa_cp.comm.launch import RankFailure, RankPool, run_ranks
 
 __all__ = [
     "RankFailure",
+    "RankPool",
     "TrafficCounter",
     "all_gather_rerange",
     "all_gather_rows",

@@ -3,7 +3,7 @@
 Both PD paths read one secret from the environment, `SGLANG_NSA_CP_PD_SECRET` (declared in `envs.py`, read
 here only; the SGLang plugin imports `pd_secret` from this module):
 
-    standalone protocol (protocol.py)           SGLang plugin (sglang_ext/disaggregation/)
+    standalone transport (pd/protocol.py)       SGLang plugin (sglang_ext/disaggregation/)
     hello {client nonce}             ->          the manifest frame of every Success status
                         <- challenge {server nonce}    carries HMAC(secret, room | prefill rank |
     auth  {layout}, MACed with K     ->                manifest); a decode with the secret

@@ -1,10 +1,13 @@
-"""The decode side's commit rule, as pure functions of the manifests (no I/O, no threads).
+"""The decode side's commit rule, as pure functions of the ranks' claims (no I/O, no threads).
 
-A request of n pages from a CP group of N ranks commits only when:
-  1. all N ranks sent a manifest (an empty one if they own none of its pages),
+Both PD paths apply it to `manifest.PageClaims`: the standalone receiver (`sglang_nsa_cp.pd`) to
+each rank's manifest message, the SGLang plugin's decode to each buffer kind of each rank's
+manifest frame. A request of n pages from a CP group of N ranks commits only when:
+  1. all N ranks sent their claims (empty ones if they own none of its pages),
   2. every position 0..n-1 is claimed exactly once, and no claim is out of range,
   3. each claim comes from its owner: logical_page % N == the claiming rank,
-  4. the checksum recomputed over the decode page at that position equals the claimed one.
+  4. the checksum recomputed over the decode page at that position equals the claimed one
+     (the standalone path; SGLang's transfer carries no checksums).
 
 Example, N = 2, n = 4: rank 0 claims {0, 2}, rank 1 claims {1, 2}:
     missing = [3], duplicated = [2] (ranks 0, 1): the request fails and its pages are freed.
@@ -15,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from sglang_nsa_cp.disagg.protocol import Manifest
+from sglang_nsa_cp.disagg.manifest import PageClaims
 
 _SHOWN = 16  # positions listed per problem in a reason string
 
@@ -67,12 +70,12 @@ def _show(items: Sequence) -> str:
     return f"[{', '.join(str(i) for i in items[:_SHOWN])}]{more}"
 
 
-def check_coverage(num_pages: int, cp_size: int, manifests: Mapping[int, Manifest]) -> CoverageReport:
-    """Rules 1-3 over the manifests received so far (keyed by rank)."""
+def check_coverage(num_pages: int, cp_size: int, claims: Mapping[int, PageClaims]) -> CoverageReport:
+    """Rules 1-3 over the claims received so far (keyed by the rank that sent them)."""
     claimants: dict[int, list[int]] = {}
     wrong_owner, out_of_range = set(), set()
-    for rank, manifest in sorted(manifests.items()):
-        for position, page in zip(manifest.positions, manifest.logical_pages):
+    for rank, claim in sorted(claims.items()):
+        for position, page in zip(claim.positions, claim.logical_pages):
             if not 0 <= position < num_pages:
                 out_of_range.add(position)
                 continue
@@ -84,19 +87,19 @@ def check_coverage(num_pages: int, cp_size: int, manifests: Mapping[int, Manifes
         duplicated=tuple(sorted(k for k, ranks in claimants.items() if len(ranks) > 1)),
         wrong_owner=tuple(sorted(wrong_owner)),
         out_of_range=tuple(sorted(out_of_range)),
-        silent_ranks=tuple(r for r in range(cp_size) if r not in manifests),
+        silent_ranks=tuple(r for r in range(cp_size) if r not in claims),
         claimants={k: tuple(ranks) for k, ranks in claimants.items()},
     )
 
 
-def find_corrupt(manifests: Mapping[int, Manifest], landed: Sequence[int]) -> tuple[int, ...]:
+def find_corrupt(claims: Mapping[int, PageClaims], landed: Sequence[int]) -> tuple[int, ...]:
     """Rule 4: positions whose claimed checksum differs from `landed[position]`.
 
     landed: checksum.page_checksums over the decode pages, indexed by request position.
     """
     corrupt = set()
-    for manifest in manifests.values():
-        for position, checksum in zip(manifest.positions, manifest.checksums):
+    for claim in claims.values():
+        for position, checksum in zip(claim.positions, claim.checksums):
             if 0 <= position < len(landed) and landed[position] != checksum:
                 corrupt.add(position)
     return tuple(sorted(corrupt))

@@ -1,4 +1,4 @@
-"""Which pages a prefill rank sends for one request, and the coalesced transfers that carry them.
+"""Which pages a prefill rank sends for one request, and the runs that carry them.
 
 Example, N = 4, a request of 6 pages whose logical page ids came from compute-owner allocation
 (positions 0-2 computed by rank 1, 3-5 by rank 2), decode destination pages 40..45::
@@ -14,7 +14,8 @@ Example, N = 4, a request of 6 pages whose logical page ids came from compute-ow
     ranks 0 and 3 send nothing (their manifests are empty)
 
 A run is a maximal stretch of the rank's positions whose local pages and decode pages both go up
-by one; per layer and kind it is one (src, dst, length) entry of a batched write. Interleave
+by one; per layer and kind it is one (src, dst, length) entry of a batched write (the standalone
+transport's `pd.engine.build_transfer_batch`; SGLang's `group_concurrent_contiguous` does the same). Interleave
 ownership (owners rotate 0,1,2,3,...) gives single-page runs; that is still 1/N of the bytes.
 """
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from sglang_nsa_cp.disagg.buffers import KVBuffers
+from sglang_nsa_cp.disagg.manifest import PageClaims
 from sglang_nsa_cp.layout.ownership import local_page, page_owner
 
 
@@ -37,6 +38,10 @@ class OwnedPages:
     positions: tuple[int, ...]  # request page positions k, ascending
     logical_pages: tuple[int, ...]  # logical page id at each of those positions
     local_pages: tuple[int, ...]  # page in this rank's shard: logical // cp_size
+
+    def claims(self, checksums: Sequence[int] = ()) -> PageClaims:
+        """What this rank tells the decode it sent (the manifest), with a checksum per page or none."""
+        return PageClaims(self.rank, self.cp_size, self.num_pages, self.positions, self.logical_pages, tuple(checksums))
 
 
 def plan_owned_pages(logical_pages: Sequence[int], rank: int, cp_size: int) -> OwnedPages:
@@ -71,41 +76,3 @@ def coalesce_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[tu
         else:
             runs.append([src, dst, 1])
     return [tuple(run) for run in runs]
-
-
-@dataclass(frozen=True)
-class TransferBatch:
-    """Arguments of TransferEngine.batch_transfer_sync_write: parallel lists of entries."""
-
-    src_ptrs: list[int]
-    dst_ptrs: list[int]
-    lengths: list[int]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.lengths)
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-
-def build_transfer_batch(
-    src: KVBuffers,
-    dst_ptrs: Sequence[int],
-    runs: Sequence[tuple[int, int, int]],
-) -> TransferBatch:
-    """One entry per (buffer, run), buffers in KVBuffers.flat() order.
-
-    dst_ptrs: the decode pool's data pointer per buffer, in the same flat order.
-    """
-    flat = src.flat()
-    if len(dst_ptrs) != len(flat):
-        raise ValueError(f"{len(dst_ptrs)} destination buffers for {len(flat)} source buffers")
-    batch = TransferBatch([], [], [])
-    for buf, dst_ptr in zip(flat, dst_ptrs):
-        step = buf.page_bytes
-        for src_page, dst_page, count in runs:
-            batch.src_ptrs.append(buf.data_ptr + src_page * step)
-            batch.dst_ptrs.append(dst_ptr + dst_page * step)
-            batch.lengths.append(count * step)
-    return batch

@@ -15,6 +15,7 @@ allocator is SPMD: all ranks make the same choices and agree on every page's own
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
@@ -24,7 +25,7 @@ from sglang_nsa_cp.layout.split import SplitPlan, plan_split
 
 
 class OutOfPages(RuntimeError):
-    """The logical KV pool has no free page left."""
+    """The pool has fewer free pages than a request needs."""
 
 
 def page_owner(page, cp_size: int):
@@ -36,21 +37,31 @@ def local_page(page, cp_size: int):
 
 
 class OwnerClassedAllocator:
-    """Free lists of logical pages, one per owner class."""
+    """Free lists of logical pages, one per owner class, lowest page ids first.
+
+    The one page allocator of the package: a prefill CP group's (N classes, mirrored on every
+    rank) and, with cp_size 1, a decode instance's (one free list, shared by the owned-page
+    receiver, which takes a request's destination pages, and the decode steps, which take the
+    pages new tokens need). Lowest first keeps a request's pages mostly consecutive, so the runs
+    a prefill rank sends into them are long. Thread-safe: a decode's receiver threads free pages
+    while its decode loop allocates.
+    """
 
     def __init__(self, num_pages: int, cp_size: int):
-        if num_pages < cp_size:
+        if cp_size < 1 or num_pages < cp_size:
             raise ValueError(f"a pool of {num_pages} pages cannot give each of {cp_size} ranks a page")
         self.num_pages = num_pages
         self.cp_size = cp_size
         # Pop from the end: lowest page ids first, deterministic on every rank.
         self._free = [sorted(range(r, num_pages, cp_size), reverse=True) for r in range(cp_size)]
         self._allocated: set[int] = set()
+        self._lock = threading.Lock()
 
     def free_pages(self, owner: int | None = None) -> int:
-        if owner is None:
-            return sum(len(f) for f in self._free)
-        return len(self._free[owner])
+        with self._lock:
+            if owner is None:
+                return sum(len(f) for f in self._free)
+            return len(self._free[owner])
 
     def alloc(self, owners: Sequence[int]) -> list[int]:
         """One page per entry of `owners`, of that owner class when it has a free page.
@@ -58,27 +69,35 @@ class OwnerClassedAllocator:
         An exhausted class borrows from the class with the most free pages (lowest rank on a
         tie): correctness never depends on the owner, only write locality does.
         """
-        if len(owners) > self.free_pages():
-            raise OutOfPages(f"asked for {len(owners)} pages but only {self.free_pages()} are free")
-        pages = []
-        for owner in owners:
-            if not 0 <= owner < self.cp_size:
-                raise ValueError(f"owner {owner} is not a rank of the CP group of size {self.cp_size}")
-            if not self._free[owner]:
-                owner = max(range(self.cp_size), key=lambda r: (len(self._free[r]), -r))
-            pages.append(self._free[owner].pop())
-        self._allocated.update(pages)
-        return pages
+        bad = [o for o in owners if not 0 <= o < self.cp_size]
+        if bad:
+            raise ValueError(f"owner {bad[0]} is not a rank of the CP group of size {self.cp_size}")
+        with self._lock:
+            num_free = sum(len(f) for f in self._free)
+            if len(owners) > num_free:
+                raise OutOfPages(f"asked for {len(owners)} pages but only {num_free} are free")
+            pages = []
+            for owner in owners:
+                if not self._free[owner]:
+                    owner = max(range(self.cp_size), key=lambda r: (len(self._free[r]), -r))
+                pages.append(self._free[owner].pop())
+            self._allocated.update(pages)
+            return pages
 
     def free(self, pages: Sequence[int]) -> None:
-        unknown = [p for p in pages if p not in self._allocated]
-        if unknown:
-            raise ValueError(f"pages {unknown[:8]} are not allocated (double free or foreign page ids)")
-        for p in pages:
-            self._allocated.discard(p)
-            self._free[page_owner(p, self.cp_size)].append(p)
-        for f in self._free:
-            f.sort(reverse=True)
+        pages = [int(p) for p in pages]
+        with self._lock:
+            unknown = [p for p in pages if p not in self._allocated]
+            if unknown or len(set(pages)) != len(pages):
+                raise ValueError(
+                    f"pages {unknown[:8] or pages[:8]} are not allocated or listed twice "
+                    "(double free or foreign page ids)"
+                )
+            for p in pages:
+                self._allocated.discard(p)
+                self._free[page_owner(p, self.cp_size)].append(p)
+            for f in self._free:
+                f.sort(reverse=True)
 
 
 @dataclass

@@ -2,8 +2,8 @@
 the manifest that rides on its status message, and the decode side's commit check.
 
 Used by the hooks in `common/conn.py` and `mooncake/conn.py` (this package). No SGLang import:
-the commit rule is `sglang_nsa_cp.disagg.commit.check_coverage`, the same as the standalone
-owned-page protocol's (docs/disagg.md).
+the manifest is the core's `disagg.manifest.PageClaims` (one per buffer kind) and the commit rule
+`disagg.commit.check_coverage`, the same as the standalone transport's (docs/disagg.md).
 
 N = 2, a request whose page list (SGLang's `kv_to_page_indices`, logical page ids) is
 [10, 11, 12, 13, 14, 15], sent in two chunks of 4 and 2 pages::
@@ -15,8 +15,10 @@ N = 2, a request whose page list (SGLang's `kv_to_page_indices`, logical page id
     rank 0  expects   {0, 2, 4}   (from the unfiltered chunks, `expect_kv`)
             queues    {0, 2, 4}   local pages 5, 6, 7 (`queue_kv`, what reaches Mooncake's queue)
             index-K   {0, 2, 4}   of 6 state pages (`record_index`)
-    finish(room) -> manifest {rank 0, cp 2, kv {total 6, positions [0,2,4], pages [10,12,14]},
-                              index {total 6, positions [0,2,4], pages [10,12,14]}}, no problem
+    finish(room) -> RankClaims(kv=PageClaims(rank 0, cp 2, 6 pages, positions (0, 2, 4),
+                                             logical pages (10, 12, 14)),
+                               index=the same for the index-K pages), no problem
+    on the wire: RoomManifest(room, kv, index), keyed to the room and the sending rank
 
 A rank that expects a page it did not queue (or queues one twice, or one of another owner)
 reports Failed with the difference instead of Success (`finish` returns the problem). The decode
@@ -35,13 +37,13 @@ import msgspec
 import numpy as np
 from msgspec import Struct
 
-from sglang_nsa_cp.disagg import auth, protocol
+from sglang_nsa_cp.disagg import auth
 from sglang_nsa_cp.disagg.commit import check_coverage
-from sglang_nsa_cp.disagg.protocol import Manifest
+from sglang_nsa_cp.disagg.manifest import MAX_REQUEST_PAGES, Int64, PageClaims, cut
 
 # Frame appended to the prefill's Success status message (after the reason frame). A stock
 # SGLang 0.5.23 decode reads frames [room, status, rank, reason] and ignores the rest.
-MANIFEST_TAG = b"nsa-cp-owned-pages/2 "
+MANIFEST_TAG = b"nsa-cp-owned-pages/3 "
 _SHOWN = 16
 
 
@@ -63,8 +65,8 @@ class _Pages:
         self.positions.extend(int(p) for p in positions)
         self.pages.extend(int(p) for p in pages)
 
-    def as_dict(self) -> dict:
-        return {"total": self.total, "positions": list(self.positions), "pages": list(self.pages)}
+    def claims(self, rank: int, cp_size: int) -> PageClaims:
+        return PageClaims(rank, cp_size, self.total, tuple(self.positions), tuple(self.pages))
 
 
 @dataclass
@@ -126,7 +128,7 @@ class OwnedPageLedger:
         with self._lock:
             self._rooms.pop(room, None)
 
-    def finish(self, room: int) -> tuple[Optional[dict], Optional[str]]:
+    def finish(self, room: int) -> tuple[Optional[RankClaims], Optional[str]]:
         """Forget the room; return (manifest, problem). A problem means this rank must not report
         Success: it did not hand every page it owns to the transfer, exactly once."""
         with self._lock:
@@ -161,16 +163,12 @@ class OwnedPageLedger:
             problems.append(f"its chunks {seen} do not cover the request's {entry.expected_kv.total} pages")
         if entry.index_expected and entry.index is None:
             problems.append("its index-K pages were not sent")
-        manifest = {
-            "rank": self.rank,
-            "cp_size": self.cp_size,
-            "kv": {
-                "total": entry.expected_kv.total,
-                "positions": sorted(queued),
-                "pages": [queued[k] for k in sorted(queued)],
-            },
-            "index": entry.index.as_dict() if entry.index is not None else None,
-        }
+        sent_kv = _Pages(total=entry.expected_kv.total)
+        sent_kv.add(sorted(queued), [queued[k] for k in sorted(queued)])
+        manifest = RankClaims(
+            kv=sent_kv.claims(self.rank, self.cp_size),
+            index=entry.index.claims(self.rank, self.cp_size) if entry.index is not None else None,
+        )
         problem = None
         if problems:
             who = f"owned-page transfer of room {room}: CP rank {self.rank} of {self.cp_size}"
@@ -179,16 +177,26 @@ class OwnedPageLedger:
 
 
 # ---- the manifest on the wire ---------------------------------------------------------------------
-class PageClaims(Struct, frozen=True, forbid_unknown_fields=True):
-    total: protocol.NumPages  # pages in the whole request, as the rank saw it
-    positions: protocol.Pages
-    pages: protocol.Pages
+class RankClaims(Struct, frozen=True, forbid_unknown_fields=True):
+    """One CP rank's claims for one room: its KV latent pages and, with DSA state, its index-K
+    pages (the same rank and CP size in both)."""
+
+    kv: PageClaims
+    index: Optional[PageClaims] = None
+
+    @property
+    def rank(self) -> int:
+        return self.kv.rank
+
+    @property
+    def cp_size(self) -> int:
+        return self.kv.cp_size
 
 
 class RoomManifest(Struct, frozen=True, forbid_unknown_fields=True):
-    room: protocol.Int64
-    rank: protocol.Rank
-    cp_size: protocol.CpSize
+    """The body of a manifest frame: the claims, bound to their room."""
+
+    room: Int64
     kv: PageClaims
     index: Optional[PageClaims] = None
 
@@ -204,20 +212,12 @@ def _label(room: int, prefill_rank: int) -> bytes:
 def max_manifest_bytes(num_pages: int) -> int:
     """The largest frame a manifest of a `num_pages`-page request needs: 4 lists of at most
     `num_pages` ints (9 msgpack bytes each at most), the MAC and a few hundred bytes."""
-    return 1024 + 36 * min(num_pages, protocol.MAX_REQUEST_PAGES)
+    return 1024 + 36 * min(num_pages, MAX_REQUEST_PAGES)
 
 
-def encode_manifest(manifest: dict, room: int, prefill_rank: int, secret: Optional[bytes]) -> bytes:
+def encode_manifest(claims: RankClaims, room: int, prefill_rank: int, secret: Optional[bytes]) -> bytes:
     """TAG | MAC length (0 or 32) | MAC | msgpack(RoomManifest); the MAC keyed with `secret`."""
-    body = msgspec.msgpack.encode(
-        RoomManifest(
-            room=room,
-            rank=manifest["rank"],
-            cp_size=manifest["cp_size"],
-            kv=PageClaims(**manifest["kv"]),
-            index=PageClaims(**manifest["index"]) if manifest["index"] is not None else None,
-        )
-    )
+    body = msgspec.msgpack.encode(RoomManifest(room=room, kv=claims.kv, index=claims.index))
     mac = auth.sign(secret, _label(room, prefill_rank), body)
     return MANIFEST_TAG + bytes([len(mac)]) + mac + body
 
@@ -226,8 +226,10 @@ class UnauthenticatedManifest(ValueError):
     """A manifest frame that did not get as far as a valid MAC (size, shape or key)."""
 
 
-def decode_manifest(frame: bytes, *, room: int, prefill_rank: int, secret: Optional[bytes], max_pages: int) -> dict:
-    """The manifest of `frame` as a dict; ValueError (bounded text) names what is wrong,
+def decode_manifest(
+    frame: bytes, *, room: int, prefill_rank: int, secret: Optional[bytes], max_pages: int
+) -> RankClaims:
+    """The claims in `frame`; ValueError (bounded text) names what is wrong,
     UnauthenticatedManifest when the frame fails before its MAC checked out. The frame's size is
     checked against `max_pages` (the decode's own request) and its MAC before anything parses it."""
     if not frame.startswith(MANIFEST_TAG):
@@ -249,17 +251,18 @@ def decode_manifest(frame: bytes, *, room: int, prefill_rank: int, secret: Optio
     try:
         m = _DECODER.decode(body)
     except msgspec.DecodeError as e:
-        raise ValueError(protocol.cut(f"malformed manifest: {e}", 300)) from None
+        raise ValueError(cut(f"malformed manifest: {e}", 300)) from None
     if m.room != room:
         raise ValueError(f"a manifest of room {m.room} in a status message of room {room}")
     for claims in (m.kv, m.index):
-        if claims is not None and len(claims.positions) != len(claims.pages):
-            raise ValueError(f"a manifest with {len(claims.positions)} positions but {len(claims.pages)} pages")
-
-    def pages(c):
-        return None if c is None else {"total": c.total, "positions": list(c.positions), "pages": list(c.pages)}
-
-    return {"rank": m.rank, "cp_size": m.cp_size, "kv": pages(m.kv), "index": pages(m.index)}
+        if claims is not None and (problem := claims.shape_problem(with_checksums=False)) is not None:
+            raise ValueError(f"a malformed manifest: {problem}")
+    if m.index is not None and (m.index.rank, m.index.cp_size) != (m.kv.rank, m.kv.cp_size):
+        raise ValueError(
+            f"a manifest whose index-K pages come from CP rank {m.index.rank} of {m.index.cp_size}, "
+            f"its KV pages from CP rank {m.kv.rank} of {m.kv.cp_size}"
+        )
+    return RankClaims(kv=m.kv, index=m.index)
 
 
 # ---- the decode side's commit check ---------------------------------------------------------------
@@ -276,28 +279,14 @@ class RoomExpectation:
         return max(self.kv_pages, self.index_pages or 0)
 
 
-def _coverage(kind: str, room: int, total: int, cp_size: int, by_rank: Mapping[int, dict]) -> list[str]:
+def _coverage(kind: str, total: int, cp_size: int, by_rank: Mapping[int, RankClaims]) -> list[str]:
     name = "KV" if kind == "kv" else "index-K"
-    claimed = {rank: m[kind]["total"] for rank, m in by_rank.items() if m[kind]["total"] != total}
+    claims = {rank: getattr(m, kind) for rank, m in by_rank.items()}
+    claimed = {rank: c.num_pages for rank, c in claims.items() if c.num_pages != total}
     if claimed:
         return [f"{name} page counts {claimed} (by CP rank) differ from the {total} the decode asked for"]
-    manifests = {
-        rank: Manifest(
-            request_id=room,
-            nonce=1,
-            rank=rank,
-            cp_size=cp_size,
-            num_pages=total,
-            positions=tuple(m[kind]["positions"]),
-            logical_pages=tuple(m[kind]["pages"]),
-            checksums=(),
-            nbytes=0,
-            num_transfers=0,
-        )
-        for rank, m in by_rank.items()
-    }
     # Silent CP ranks are reported once by the caller, not per buffer kind.
-    report = dataclasses.replace(check_coverage(total, cp_size, manifests), silent_ranks=())
+    report = dataclasses.replace(check_coverage(total, cp_size, claims), silent_ranks=())
     return [] if report.ok else [f"{name} pages: {report.describe()}"]
 
 
@@ -318,16 +307,16 @@ def verify_manifests(
     without = [r for r in responders if r not in manifests]
     if without:
         problems.append(f"prefill rank(s) {without} reported success without an owned-page manifest")
-    by_rank: dict[int, dict] = {}
+    by_rank: dict[int, RankClaims] = {}
     cp_size = expected.cp_size
     for sender, manifest in sorted(manifests.items()):
         if isinstance(manifest, str):
             problems.append(f"malformed manifest from prefill rank {sender}: {manifest}")
             continue
-        cp_rank = manifest["rank"]
-        if manifest["cp_size"] != cp_size:
+        cp_rank = manifest.rank
+        if manifest.cp_size != cp_size:
             problems.append(
-                f"prefill rank {sender} claims a CP group of {manifest['cp_size']}; the decode targets {cp_size}"
+                f"prefill rank {sender} claims a CP group of {manifest.cp_size}; the decode targets {cp_size}"
             )
             continue
         if sender % cp_size != cp_rank:
@@ -340,14 +329,14 @@ def verify_manifests(
         silent = [r for r in range(cp_size) if r not in by_rank]
         if silent:
             problems.append(f"no manifest from CP rank(s) {_show(silent)} of {cp_size}")
-        problems += _coverage("kv", room, expected.kv_pages, cp_size, by_rank)
-        with_index = sorted(r for r, m in by_rank.items() if m["index"] is not None)
+        problems += _coverage("kv", expected.kv_pages, cp_size, by_rank)
+        with_index = sorted(r for r, m in by_rank.items() if m.index is not None)
         if expected.index_pages is None and with_index:
             problems.append(f"index-K pages reported by CP ranks {_show(with_index)}; the decode asked for none")
         elif expected.index_pages is not None and len(with_index) != len(by_rank):
             problems.append(f"index-K pages reported by CP ranks {_show(with_index)} only")
         elif with_index:
-            problems += _coverage("index", room, expected.index_pages, cp_size, by_rank)
+            problems += _coverage("index", expected.index_pages, cp_size, by_rank)
     if not problems:
         return None
     return f"owned-page transfer of room {room} is incomplete: " + "; ".join(problems)

@@ -45,7 +45,8 @@ import time
 
 import numpy as np
 
-from sglang_nsa_cp.disagg import auth, protocol
+from sglang_nsa_cp.disagg import auth
+from sglang_nsa_cp.disagg.manifest import cut
 from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import (
     MANIFEST_TAG,
     OwnedPageLedger,
@@ -252,9 +253,9 @@ def read_manifest(original, self, msg):
                 max_pages=expected.max_pages,
             )
         except UnauthenticatedManifest as e:
-            manifest = _Unauthenticated(protocol.cut(str(e), 300)) if keyed else protocol.cut(str(e), 300)
+            manifest = _Unauthenticated(cut(str(e), 300)) if keyed else cut(str(e), 300)
         except ValueError as e:
-            manifest = protocol.cut(str(e), 300)
+            manifest = cut(str(e), 300)
         _state(self, _INBOX)[(room, prefill_rank)] = manifest
     return parsed
 

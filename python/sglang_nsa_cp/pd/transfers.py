@@ -27,11 +27,11 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from sglang_nsa_cp.disagg import protocol
-from sglang_nsa_cp.disagg.allocator import OutOfDecodePages, PageAllocator
 from sglang_nsa_cp.disagg.commit import CoverageReport, check_coverage, find_corrupt
-from sglang_nsa_cp.disagg.protocol import Abort, Cancel, Dest, Manifest, Reject, Want
-from sglang_nsa_cp.disagg.status import Committed, Failed, Pending, RankStats, ReceiverStats
+from sglang_nsa_cp.layout.ownership import OutOfPages, OwnerClassedAllocator
+from sglang_nsa_cp.pd import protocol
+from sglang_nsa_cp.pd.protocol import Abort, Cancel, Dest, Manifest, Reject, Want
+from sglang_nsa_cp.pd.status import Committed, Failed, Pending, RankStats, ReceiverStats
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,10 @@ class Use:
     given: dict = field(default_factory=dict)  # rank -> identity, ranks handed the pages
     reported: set = field(default_factory=set)  # ranks with nothing in flight any more
 
+    def claims(self) -> dict:
+        """rank -> the PageClaims of its manifest: what the commit rule judges."""
+        return {rank: m.claims for rank, m in self.manifests.items()}
+
 
 @dataclass(eq=False)
 class Early:
@@ -69,7 +73,7 @@ class Fence:
 class TransferTable:
     def __init__(
         self,
-        allocator: PageAllocator,
+        allocator: OwnerClassedAllocator,
         stats: ReceiverStats,
         *,
         timeout_s: float,
@@ -101,10 +105,10 @@ class TransferTable:
         if request_id in self.uses:
             raise ValueError(f"request {request_id!r} is already expected; release it first")
         try:
-            dst_pages = self.allocator.alloc(num_pages)
-        except OutOfDecodePages as e:
-            raise OutOfDecodePages(
-                f"{e}; {self.num_fenced_pages} more are fenced by {len(self.fences)} failed "
+            dst_pages = self.allocator.alloc([0] * num_pages)  # one owner class: the decode has no CP
+        except OutOfPages as e:
+            raise OutOfPages(
+                f"decode pool: {e}; {self.num_fenced_pages} more are fenced by {len(self.fences)} failed "
                 "request(s) until their ranks acknowledge the cancel or their connections close"
             ) from None
         use = Use(request_id, nonce, num_pages, cp_size, dst_pages, now, Pending(request_id, tuple(range(cp_size))))
@@ -168,10 +172,10 @@ class TransferTable:
 
     def on_report(self, identity: bytes, rank: int, msg: Manifest | Abort, now: float) -> None:
         key = (msg.request_id, msg.nonce)
-        if isinstance(msg, Manifest) and msg.rank != rank:
+        if isinstance(msg, Manifest) and msg.claims.rank != rank:
             logger.warning(
                 "dropping a manifest for rank %d from the connection of rank %d (request %r)",
-                msg.rank,
+                msg.claims.rank,
                 rank,
                 msg.request_id,
             )
@@ -200,7 +204,7 @@ class TransferTable:
         use.manifests[rank] = msg
         use.reported.add(rank)
         if len(use.manifests) == use.cp_size:
-            report = check_coverage(use.num_pages, use.cp_size, use.manifests)
+            report = check_coverage(use.num_pages, use.cp_size, use.claims())
             if not report.ok:
                 self.fail(use, report.describe(), report=report)
             else:
@@ -212,7 +216,7 @@ class TransferTable:
         if self.uses.get(use.request_id) is not use or not use.verifying:
             return  # released or failed meanwhile
         use.verifying = False
-        corrupt = find_corrupt(use.manifests, landed)
+        corrupt = find_corrupt(use.claims(), landed)
         if corrupt:
             report = CoverageReport(corrupt=corrupt)
             self.fail(use, report.describe(), report=report)
@@ -222,7 +226,7 @@ class TransferTable:
         for rank, manifest in use.manifests.items():
             stats = self.stats.per_rank.setdefault(rank, RankStats())
             stats.requests += 1
-            stats.pages += len(manifest.positions)
+            stats.pages += len(manifest.claims.positions)
             stats.nbytes += manifest.nbytes
             stats.transfers += manifest.num_transfers
 
@@ -247,7 +251,7 @@ class TransferTable:
             if not isinstance(use.status, Pending) or use.verifying:
                 continue
             if use.deadline is not None and now >= use.deadline:
-                report = check_coverage(use.num_pages, use.cp_size, use.manifests)
+                report = check_coverage(use.num_pages, use.cp_size, use.claims())
                 self.fail(use, f"timed out after {self.timeout_s} s: {report.describe()}", report=report)
             elif use.deadline is None and now >= use.expected_at + self.ready_timeout_s:
                 self.fail(use, f"no prefill rank said it was ready within {self.ready_timeout_s} s of expect()")
@@ -354,7 +358,8 @@ def _check_want(use: Use, rank: int, want: Want) -> str | None:
     return None
 
 
-def _check_manifest(use: Use, rank: int, m: Manifest) -> str | None:
+def _check_manifest(use: Use, rank: int, manifest: Manifest) -> str | None:
+    m = manifest.claims
     if m.cp_size != use.cp_size or m.num_pages != use.num_pages:
         return (
             f"rank {rank} reports a request of {m.num_pages} pages from a CP group of "
@@ -364,11 +369,8 @@ def _check_manifest(use: Use, rank: int, m: Manifest) -> str | None:
         return f"manifest from rank {rank}, outside ranks 0..{use.cp_size - 1}"
     if rank in use.manifests:
         return f"rank {rank} sent two manifests"
-    if not len(m.positions) == len(m.logical_pages) == len(m.checksums) <= use.num_pages:
-        return (
-            f"manifest of rank {rank}: {len(m.positions)} positions, {len(m.logical_pages)} pages "
-            f"and {len(m.checksums)} checksums for a request of {use.num_pages} pages"
-        )
+    if (problem := m.shape_problem(with_checksums=True)) is not None:
+        return f"manifest of rank {rank}: {problem}"
     return None
 
 

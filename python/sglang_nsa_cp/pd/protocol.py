@@ -18,8 +18,8 @@ Per connection, then per use of a request id::
                                                 <-     dest {request_id, nonce, epoch, dst_pages}
                                                        (empty for a rank owning no page)
     batch_transfer_sync_write: owned pages, every layer, kv + index, straight into dst pages
-    manifest {request_id, nonce, rank, ...,     ->     commit when all N manifests cover 0..n-1
-              positions, logical_pages, checksums}     exactly once from the owners, sums match
+    manifest {request_id, nonce, claims:        ->     commit when all N manifests cover 0..n-1
+              PageClaims with checksums, ...}          exactly once from the owners, sums match
     abort    {request_id, nonce, reason,        ->     instead of a manifest: a write error
               drained}                                 (drained False) or a cancel (True)
                                                 <-     cancel {request_id, nonce, reason}: the
@@ -39,22 +39,25 @@ import msgspec
 from msgspec import Meta, Struct
 
 from sglang_nsa_cp.disagg import auth
+from sglang_nsa_cp.disagg.manifest import (
+    MAX_REQUEST_PAGES,
+    MAX_TEXT,
+    Count,
+    CpSize,
+    Int64,
+    NumPages,
+    PageClaims,
+    Pages,
+    Rank,
+    cut,
+)
 
-VERSION = 2
-MAX_CP_SIZE = 1024
-MAX_REQUEST_PAGES = 1 << 20  # 64M tokens at 64-token pages
+VERSION = 3  # 3: the manifest carries the shared PageClaims
 MAX_BUFFERS = 4096  # kv + index per layer
-MAX_TEXT = 2048  # reasons and ids on the wire; longer reasons are cut when sent
 TO_DECODE, TO_PREFILL = b"to-decode", b"to-prefill"  # MAC labels of the two directions
 
-Int64 = Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
-Count = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
 RequestId = Union[Int64, Annotated[str, Meta(max_length=256)]]
 Nonce = Annotated[int, Meta(ge=1, le=(1 << 63) - 1)]
-Rank = Annotated[int, Meta(ge=0, lt=MAX_CP_SIZE)]
-CpSize = Annotated[int, Meta(ge=1, le=MAX_CP_SIZE)]
-NumPages = Annotated[int, Meta(ge=1, le=MAX_REQUEST_PAGES)]
-Pages = Annotated[tuple[Count, ...], Meta(max_length=MAX_REQUEST_PAGES)]
 Text = Annotated[str, Meta(max_length=MAX_TEXT)]
 Nonce16 = Annotated[bytes, Meta(min_length=16, max_length=16)]
 
@@ -114,21 +117,12 @@ class Dest(_Msg, tag="dest"):
 
 
 class Manifest(_Msg, tag="manifest"):
-    """What one prefill rank says it wrote for one use of a request.
-
-    positions[i] is a request page position; logical_pages[i] the prefill's logical page id there
-    (so the receiver can check owner == logical_pages[i] % cp_size == rank); checksums[i] the
-    checksum.page_checksums value of that page over all layers and both kinds.
-    """
+    """What one prefill rank says it wrote for one use of a request: its claims (with a checksum
+    per page, `checksum.page_checksums` over all layers and both kinds) and what it cost."""
 
     request_id: RequestId
     nonce: Nonce
-    rank: Rank
-    cp_size: CpSize
-    num_pages: NumPages  # pages in the whole request, as this rank sees it
-    positions: Pages
-    logical_pages: Pages
-    checksums: Pages
+    claims: PageClaims
     nbytes: Count
     num_transfers: Count
 
@@ -163,10 +157,6 @@ _ENCODER = msgspec.msgpack.Encoder()
 def new_nonce() -> int:
     """A fresh nonce for one use of a request id (or for a receiver's epoch)."""
     return secrets.randbits(62) + 1
-
-
-def cut(text: str, limit: int = MAX_TEXT) -> str:
-    return text if len(text) <= limit else text[: limit - 15] + " ... (cut)"
 
 
 def check_request_id(request_id) -> None:

@@ -28,14 +28,16 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from sglang_nsa_cp.disagg import auth, protocol
-from sglang_nsa_cp.disagg.allocator import PageAllocator
+from sglang_nsa_cp.disagg import auth
 from sglang_nsa_cp.disagg.buffers import KVBuffers, check_same_layout
 from sglang_nsa_cp.disagg.checksum import page_checksums
-from sglang_nsa_cp.disagg.engine import EngineConfig, MooncakeEngine
-from sglang_nsa_cp.disagg.protocol import TO_DECODE, TO_PREFILL, Auth, Challenge, Hello, Reject, Want, Welcome
-from sglang_nsa_cp.disagg.status import Committed, Failed, Pending, ReceiverStats
-from sglang_nsa_cp.disagg.transfers import TransferTable
+from sglang_nsa_cp.disagg.manifest import MAX_CP_SIZE, MAX_REQUEST_PAGES
+from sglang_nsa_cp.layout.ownership import OwnerClassedAllocator
+from sglang_nsa_cp.pd import protocol
+from sglang_nsa_cp.pd.engine import EngineConfig, MooncakeEngine
+from sglang_nsa_cp.pd.protocol import TO_DECODE, TO_PREFILL, Auth, Challenge, Hello, Reject, Want, Welcome
+from sglang_nsa_cp.pd.status import Committed, Failed, Pending, ReceiverStats
+from sglang_nsa_cp.pd.transfers import TransferTable
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +61,7 @@ class OwnedPageReceiver:
         bind: str = "tcp://127.0.0.1:*",
         engine: MooncakeEngine | None = None,
         engine_config: EngineConfig = EngineConfig(),
-        allocator: PageAllocator | None = None,
+        allocator: OwnerClassedAllocator | None = None,
         timeout_s: float = 30.0,
         ready_timeout_s: float = 300.0,
         secret=auth.FROM_ENV,
@@ -77,7 +79,13 @@ class OwnedPageReceiver:
         self.buffers = buffers
         self.timeout_s = timeout_s
         self._secret = auth.pd_secret(secret)
-        self.allocator = allocator or PageAllocator(buffers.num_pages)
+        self.allocator = allocator or OwnerClassedAllocator(buffers.num_pages, cp_size=1)
+        if self.allocator.cp_size != 1 or self.allocator.num_pages > buffers.num_pages:
+            raise ValueError(
+                f"the decode allocator hands out {self.allocator.num_pages} pages in {self.allocator.cp_size} owner "
+                f"classes; the decode pool has {buffers.num_pages} pages and no CP: use "
+                "OwnerClassedAllocator(num_pages, cp_size=1) with num_pages <= the pool's"
+            )
         self.engine = engine or MooncakeEngine(engine_config)
         self.engine.register((b.data_ptr, b.nbytes) for b in buffers.flat())
         self.stats = ReceiverStats()
@@ -117,10 +125,10 @@ class OwnedPageReceiver:
         request position."""
         protocol.check_request_id(request_id)
         protocol.check_nonce(nonce)
-        if not 1 <= num_pages <= protocol.MAX_REQUEST_PAGES or not 1 <= cp_size <= protocol.MAX_CP_SIZE:
+        if not 1 <= num_pages <= MAX_REQUEST_PAGES or not 1 <= cp_size <= MAX_CP_SIZE:
             raise ValueError(
-                f"need 1 <= num_pages <= {protocol.MAX_REQUEST_PAGES} and 1 <= cp_size <= "
-                f"{protocol.MAX_CP_SIZE}, got {num_pages}, {cp_size}"
+                f"need 1 <= num_pages <= {MAX_REQUEST_PAGES} and 1 <= cp_size <= "
+                f"{MAX_CP_SIZE}, got {num_pages}, {cp_size}"
             )
         with self._lock:
             self._raise_if_dead()

@@ -21,9 +21,9 @@ outputs, within `oracle.RTOL` relative; index K fp8 bytes exactly); every transf
 byte for byte, to its owner's shard page; every request committed and every page freed after.
 
 The decode KV context (`DecodeKV`) is the prefill's own page bookkeeping at cp_size 1:
-a `layout.RequestPageTable` whose allocator is the receiver's `disagg.PageAllocator` (the decode
-instance has one free list; the receiver takes a request's pages from it in `expect()`, decode
-takes the pages new tokens need from it). A committed request is adopted as a request whose
+a `layout.RequestPageTable` whose allocator is the receiver's (`layout.OwnerClassedAllocator` with
+one owner class: the decode instance has one free list; the receiver takes a request's pages from
+it in `expect()`, decode takes the pages new tokens need from it). A committed request is adopted as a request whose
 cached prefix is its transferred length, living in the destination pages; a decode step is then
 an extend of one token per request, scheduled like any prefill batch (a cp_size 1 split), and
 the pool is read and written as the replicated CP path does (`KVStore.write`, `read_index_k`).
@@ -42,19 +42,14 @@ import torch
 
 from sglang_nsa_cp import kernels
 from sglang_nsa_cp.comm import TrafficCounter, run_ranks
-from sglang_nsa_cp.disagg import (
-    Committed,
-    EngineConfig,
-    KVBuffers,
-    MooncakeEngine,
-    OwnedPageReceiver,
-    OwnedPageSender,
-    PageAllocator,
-    coalesce_runs,
-    new_nonce,
-)
+from sglang_nsa_cp.disagg import KVBuffers, coalesce_runs
 from sglang_nsa_cp.disagg.auth import FROM_ENV, SGLANG_NSA_CP_PD_SECRET
 from sglang_nsa_cp.layout import OwnerClassedAllocator, RequestPageTable
+from sglang_nsa_cp.pd.engine import EngineConfig, MooncakeEngine
+from sglang_nsa_cp.pd.protocol import new_nonce
+from sglang_nsa_cp.pd.receiver import OwnedPageReceiver
+from sglang_nsa_cp.pd.sender import OwnedPageSender
+from sglang_nsa_cp.pd.status import Committed
 from sglang_nsa_cp.oracle import DTYPES, PATH_SPLIT_MODES, RTOL, Scenario, build_model, rel_err
 from sglang_nsa_cp.reference import DenseKV, DSAModel, SlotKVCache, SynchronousKV, decode_step, prefill_single
 from sglang_nsa_cp.reference.cp import SharedCPKV, prefill_cp
@@ -66,43 +61,27 @@ DEFAULT_DECODE_STEPS = 4
 # ---- decode side ---------------------------------------------------------------------------
 
 
-class _DecodePages:
-    """RequestPageTable's allocator interface over the decode instance's PageAllocator.
-
-    A decode instance has no CP: one owner class (cp_size 1); every page comes from, and goes
-    back to, the one free list the receiver also allocates destination pages from.
-    """
-
-    cp_size = 1
-
-    def __init__(self, pages: PageAllocator):
-        self.pages = pages
-
-    def alloc(self, owners: Sequence[int]) -> list[int]:
-        return self.pages.alloc(len(owners))
-
-    def free(self, pages: Sequence[int]) -> None:
-        self.pages.free(pages)
-
-
 class DecodeKV(SynchronousKV):
     """KV context of the decode instance: the receiver's pool, with each request's pages.
 
     store      KVStore.replicated(...): the buffers the receiver registered (latent
                [pages * page_size, latent_dim], index [pages, page_size * 132] per layer).
-    allocator  the receiver's PageAllocator (`receiver.allocator`).
+    allocator  the receiver's allocator (`receiver.allocator`: one owner class, cp_size 1).
 
     adopt() a committed request, then per step begin_batch() + model forward (this object is
     the model's KV context). release() frees the pages decode allocated; the transferred pages
     are the receiver's (`receiver.release(request)`).
     """
 
-    def __init__(self, store: KVStore, allocator: PageAllocator):
-        if store.cp_size != 1:
-            raise ValueError(f"the decode pool is not sharded: need KVStore.replicated, got cp_size {store.cp_size}")
+    def __init__(self, store: KVStore, allocator: OwnerClassedAllocator):
+        if store.cp_size != 1 or allocator.cp_size != 1:
+            raise ValueError(
+                f"the decode pool is not sharded: need KVStore.replicated and a cp_size 1 allocator, got "
+                f"cp_size {store.cp_size} and {allocator.cp_size}"
+            )
         self.store = store
         self.page_size = store.page_size
-        self.table = RequestPageTable(_DecodePages(allocator), store.page_size)
+        self.table = RequestPageTable(allocator, store.page_size)
         self._transferred: dict[Hashable, int] = {}  # request -> pages that came with the transfer
         self._all_rows = torch.arange(store.num_slots, device=store.latent[0].device)
         self.batch = None
@@ -412,7 +391,7 @@ def run_pd(
         for key in keys:
             ctx.release(key)
             rx.release(key)
-        report["decode_pages_free_after_release"] = rx.allocator.num_free == pool_pages
+        report["decode_pages_free_after_release"] = rx.allocator.free_pages() == pool_pages
     finally:
         rx.close()
         report["seconds"] = time.perf_counter() - start

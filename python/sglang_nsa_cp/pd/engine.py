@@ -1,4 +1,5 @@
-"""A thin wrapper over mooncake.engine.TransferEngine: initialize, register, batched write.
+"""A thin wrapper over mooncake.engine.TransferEngine: initialize, register, batched write; and
+the batch of (src, dst, length) entries one request's owned pages become.
 
 Tests and CPU CI use protocol "tcp" with the "P2PHANDSHAKE" metadata mode (no metadata server:
 a peer's session id "<host>:<rpc_port>" is enough to reach it). Production uses "rdma" with the
@@ -9,9 +10,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
-from sglang_nsa_cp.disagg.plan import TransferBatch
+from sglang_nsa_cp.disagg.buffers import KVBuffers
 
 logger = logging.getLogger(__name__)
 _warned_listening = False
@@ -33,6 +34,44 @@ class EngineConfig:
     # concurrent ones of 2048; MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER=16384 lifts it). A 4096-page
     # request with rotating owners needs 8192 entries per rank; 1024 leaves room for a second sender.
     max_batch_entries: int = 1024
+
+
+@dataclass(frozen=True)
+class TransferBatch:
+    """Arguments of TransferEngine.batch_transfer_sync_write: parallel lists of entries."""
+
+    src_ptrs: list[int]
+    dst_ptrs: list[int]
+    lengths: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.lengths)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+
+def build_transfer_batch(
+    src: KVBuffers,
+    dst_ptrs: Sequence[int],
+    runs: Sequence[tuple[int, int, int]],
+) -> TransferBatch:
+    """One entry per (buffer, run), buffers in KVBuffers.flat() order.
+
+    dst_ptrs: the decode pool's data pointer per buffer, in the same flat order.
+    """
+    flat = src.flat()
+    if len(dst_ptrs) != len(flat):
+        raise ValueError(f"{len(dst_ptrs)} destination buffers for {len(flat)} source buffers")
+    batch = TransferBatch([], [], [])
+    for buf, dst_ptr in zip(flat, dst_ptrs):
+        step = buf.page_bytes
+        for src_page, dst_page, count in runs:
+            batch.src_ptrs.append(buf.data_ptr + src_page * step)
+            batch.dst_ptrs.append(dst_ptr + dst_page * step)
+            batch.lengths.append(count * step)
+    return batch
 
 
 class MooncakeEngine:

@@ -25,17 +25,14 @@ from typing import Sequence
 import msgspec
 import zmq
 
-from sglang_nsa_cp.disagg import auth, protocol
+from sglang_nsa_cp.disagg import auth
 from sglang_nsa_cp.disagg.buffers import KVBuffers, check_same_layout
 from sglang_nsa_cp.disagg.checksum import page_checksums
-from sglang_nsa_cp.disagg.engine import EngineConfig, MooncakeEngine, TransferError
-from sglang_nsa_cp.disagg.plan import (
-    OwnedPages,
-    build_transfer_batch,
-    coalesce_runs,
-    plan_owned_pages,
-)
-from sglang_nsa_cp.disagg.protocol import (
+from sglang_nsa_cp.disagg.manifest import MAX_CP_SIZE, MAX_REQUEST_PAGES
+from sglang_nsa_cp.disagg.plan import OwnedPages, coalesce_runs, plan_owned_pages
+from sglang_nsa_cp.pd import protocol
+from sglang_nsa_cp.pd.engine import EngineConfig, MooncakeEngine, TransferError, build_transfer_batch
+from sglang_nsa_cp.pd.protocol import (
     TO_DECODE,
     TO_PREFILL,
     Abort,
@@ -49,6 +46,7 @@ from sglang_nsa_cp.disagg.protocol import (
     Want,
     Welcome,
 )
+from sglang_nsa_cp.pd.status import RankStats
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +62,10 @@ class SendResult:
 
 
 @dataclass
-class SenderStats:
-    requests: int = 0
-    pages: int = 0
-    nbytes: int = 0
-    transfers: int = 0
-    batches: int = 0
+class SenderStats(RankStats):
+    """What one sender wrote, over all its requests (the receiver counts the same per rank)."""
+
+    batches: int = 0  # batch_transfer_sync_write calls
 
     def add(self, result: SendResult) -> None:
         self.requests += 1
@@ -115,8 +111,8 @@ class OwnedPageSender:
     ):
         if not isinstance(buffers, KVBuffers):
             raise TypeError(f"buffers must be KVBuffers, got {type(buffers).__name__}")
-        if not 1 <= cp_size <= protocol.MAX_CP_SIZE or not 0 <= rank < cp_size:
-            raise ValueError(f"need 0 <= rank < cp_size <= {protocol.MAX_CP_SIZE}, got rank={rank}, cp_size={cp_size}")
+        if not 1 <= cp_size <= MAX_CP_SIZE or not 0 <= rank < cp_size:
+            raise ValueError(f"need 0 <= rank < cp_size <= {MAX_CP_SIZE}, got rank={rank}, cp_size={cp_size}")
         self.buffers, self.rank, self.cp_size, self.timeout_s = buffers, rank, cp_size, timeout_s
         self._secret = auth.pd_secret(secret)
         self.engine = engine or MooncakeEngine(engine_config)
@@ -155,8 +151,8 @@ class OwnedPageSender:
                 f"rank {self.rank}/{self.cp_size}: logical pages {beyond[:8]} map past this "
                 f"shard's {self.buffers.num_pages} local pages (local page = page // cp_size)"
             )
-        if not 1 <= owned.num_pages <= protocol.MAX_REQUEST_PAGES:
-            raise ValueError(f"a request has 1 to {protocol.MAX_REQUEST_PAGES} pages, got {owned.num_pages}")
+        if not 1 <= owned.num_pages <= MAX_REQUEST_PAGES:
+            raise ValueError(f"a request has 1 to {MAX_REQUEST_PAGES} pages, got {owned.num_pages}")
         return owned
 
     def connect(self, address: str) -> DecodePeer:
@@ -169,7 +165,7 @@ class OwnedPageSender:
             if peer is None:
                 sock = self._context.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, int(self.timeout_s * 1000))  # flush a last manifest on close
-                sock.setsockopt(zmq.MAXMSGSIZE, protocol.max_message_bytes(protocol.MAX_REQUEST_PAGES))
+                sock.setsockopt(zmq.MAXMSGSIZE, protocol.max_message_bytes(MAX_REQUEST_PAGES))
                 sock.connect(address)
                 peer = self._peers[address] = DecodePeer(address, sock)
             if not peer.fresh:
@@ -252,12 +248,7 @@ class OwnedPageSender:
         manifest = Manifest(
             request_id=request_id,
             nonce=nonce,
-            rank=owned.rank,
-            cp_size=owned.cp_size,
-            num_pages=owned.num_pages,
-            positions=owned.positions,
-            logical_pages=owned.logical_pages,
-            checksums=tuple(checksums),
+            claims=owned.claims(checksums),
             nbytes=result.nbytes,
             num_transfers=result.num_transfers,
         )
