@@ -67,12 +67,22 @@ def install() -> None:
     gpu_stand_ins.install()
 
 
+def comm_setup(rank: int, world: int) -> tuple[str, int]:
+    """(backend, GPU) of `rank`: NCCL with a GPU per rank where there are enough GPUs; otherwise
+    every rank on GPU 0 over gloo (NCCL refuses two ranks on one GPU). The kernels and the data are
+    the same either way, so the bit-for-bit checks hold; only the collectives' speed differs, which
+    is why the benchmark insists on a GPU per rank."""
+    gpus = torch.cuda.device_count()
+    return ("nccl", rank) if gpus >= world else ("gloo", 0)
+
+
 def setup_process(rank: int, world: int, model_path: str, cp_size: int, kv_cache_dtype: str = "bfloat16"):
     """Publish ServerArgs and build SGLang's process groups on NCCL, GPU `rank`. `kv_cache_dtype`
     fp8_e4m3: SGLang's fp8 pool (656-byte FlashMLA rows); prefill stays on flashmla_sparse (which
     dequantizes a prefix batch's KV to bf16), decode takes flashmla_kv, SGLang's fp8 decode on SM90."""
     install()
-    torch.cuda.set_device(rank)
+    backend, device = comm_setup(rank, world)
+    torch.cuda.set_device(device)
     from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
@@ -89,9 +99,12 @@ def setup_process(rank: int, world: int, model_path: str, cp_size: int, kv_cache
     reset_context()
     publish(sa, role="test", ranks=SpawnRanks(world_rank=rank))
     parallel_state.set_custom_all_reduce(False)  # audit row 26: a JIT / sgl_kernel all-reduce
-    # torch.distributed is already up (NCCL, from run_ranks): SGLang builds its groups on it.
-    init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="nccl")
-    initialize_model_parallel(backend="nccl")
+    if backend == "gloo":  # SGLang would still open its own NCCL communicator per group (pynccl)
+        make_group = parallel_state.init_model_parallel_group
+        parallel_state.init_model_parallel_group = lambda *a, **k: make_group(*a, **{**k, "use_pynccl": False})
+    # torch.distributed is already up (from run_ranks, on the same backend): SGLang builds its groups on it.
+    init_distributed_environment(world_size=world, rank=rank, local_rank=device, backend=backend)
+    initialize_model_parallel(backend=backend)
     _replace_kernels()
     return sa
 

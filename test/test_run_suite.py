@@ -49,8 +49,8 @@ def test_every_test_file_here_is_registered_to_a_suite_the_runner_runs():
     assert len(files) >= 20 and "test/test_run_suite.py" in files, files
     assert RS.registration_problems(files) == []
     suites = {r.filename: r.effective_suite for r in collect_tests(files)}
-    assert suites["test/test_sglang_gpu_forward.py"] == "nsa-cp-test-2-gpu-h200"
-    assert suites["test/test_kernels_gpu.py"] == suites["test/test_mqa_logits_triton.py"] == "nsa-cp-test-1-gpu-h200"
+    gpu = ("test/test_sglang_gpu_forward.py", "test/test_kernels_gpu.py", "test/test_mqa_logits_triton.py")
+    assert {suites[f] for f in gpu} == {"nsa-cp-test-1-gpu-h200"}
 
 
 def test_an_unregistered_file_stops_the_run_naming_it_and_the_fix(tmp_path):
