@@ -6,7 +6,7 @@
 #   bash scripts/gpu_run.sh [tests|bench|all] [benchmark arguments...]
 #
 # `tests` runs the GPU suite, nsa-cp-test-1-gpu-h200 (SGLang's forward puts a rank on each GPU over
-# NCCL where there are enough, else the ranks share GPU 0 over gloo: test/sglang_gpu_harness.py
+# NCCL where there are enough, else the ranks share GPU 0 over gloo: test/helpers/sglang_gpu_harness.py
 # `comm_setup`), one pytest process per file so the log ends with each file's time beside its
 # est_time; docs/testing.md lists the suites. The benchmark needs a GPU per rank.
 #

@@ -1,5 +1,5 @@
 """GPU, 1 or 2 x H200, ~4.5 min: SGLang 0.5.23's own DSA model forward on CUDA with GLM-5's
-attention dimensions (test/sglang_gpu_harness.py), FlashMLA's real sparse prefill kernel.
+attention dimensions (test/helpers/sglang_gpu_harness.py), FlashMLA's real sparse prefill kernel.
 
 Runs only where CUDA and the GPU bundle are (docs/gpu_bundle.md: `source scripts/gpu_unpack.sh`);
 skipped elsewhere. The same batches through CP off, SGLang's replicated interleave CP and the
@@ -54,7 +54,7 @@ RUNS = {  # name: (ranks, mode, prefetch, kv_cache_dtype)
 
 @pytest.fixture(scope="module")
 def runs():
-    import sglang_gpu_harness as G
+    from helpers import sglang_gpu_harness as G
 
     path = G.write_config(tempfile.mkdtemp(prefix="glm5_attn_"), G.GLM5_ATTN)
     return {

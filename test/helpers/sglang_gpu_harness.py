@@ -8,7 +8,7 @@ docs/gpu_bundle.md (`source scripts/gpu_unpack.sh`). What replaces the kernels t
 there is listed, with the reason for each, in docs/sglang_gpu_forward_audit.md; `install()`
 applies the process-wide part before SGLang is imported, `build_model` the per-module part.
 
-Used by test/test_sglang_gpu_forward.py (correctness) and benchmark/bench_sglang_prefill.py.
+Used by test/sglang_ext/layers/test_sglang_gpu_forward.py (correctness) and benchmark/bench_sglang_prefill.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from sglang_model_harness import PAGE  # the DSA page: 64 tokens
+from helpers.sglang_model_harness import PAGE  # the DSA page: 64 tokens
 
 # SGLang's own switches for its torch / Triton paths (audit rows 15-19, 21), set before import.
 ENV = {
@@ -60,7 +60,7 @@ def write_config(path: str, cfg: dict) -> str:
 
 def install() -> None:
     """Process-wide stand-ins; call before the first `import sglang...`."""
-    import gpu_stand_ins
+    from helpers import gpu_stand_ins
 
     for k, v in ENV.items():
         os.environ[k] = v
@@ -111,7 +111,7 @@ def setup_process(rank: int, world: int, model_path: str, cp_size: int, kv_cache
 
 def _replace_kernels() -> None:
     """Audit rows 7, 8, 11, 13, 15, 17: module-level switches to SGLang's own paths, or ours."""
-    import mqa_logits_triton
+    from helpers import mqa_logits_triton
     import sglang.kernels.ops.attention.dsv4 as dsv4
     import sglang.kernels.ops.kvcache.set_mla_kv_buffer as set_mla
     import sglang.kernels.ops.quantization.hadamard as hadamard
@@ -119,7 +119,7 @@ def _replace_kernels() -> None:
     from sglang.srt.layers.attention.dsa import dsa_indexer
     from sglang.srt.layers.attention.dsa import utils as dsa_utils
 
-    from sglang_cpu_stand_ins import hadamard_reference, pad_ragged_topk_offsets
+    from helpers.sglang_cpu_stand_ins import hadamard_reference, pad_ragged_topk_offsets
 
     hadamard.hadamard_transform = hadamard_reference  # JIT fast-hadamard-transform
     pad_ragged_topk_offsets()  # fp8 KV: the RAGGED transform with the unfused top-k under CP (audit)
@@ -145,8 +145,8 @@ def build_model(sa, seed: int = 0):
     from sglang.srt.models.deepseek_v2 import DeepseekV2AttentionMLA, DeepseekV32ForCausalLM
     from sglang.srt.models.glm4_moe import GlmMoeDsaForCausalLM
 
-    from sglang_cpu_stand_ins import _rope_native_any_rank
-    from sglang_model_harness import random_checkpoint
+    from helpers.sglang_cpu_stand_ins import _rope_native_any_rank
+    from helpers.sglang_model_harness import random_checkpoint
 
     mc = ModelConfig.from_server_args(sa)
     cfg = json.load(open(os.path.join(sa.model_path, "config.json")))
@@ -199,7 +199,7 @@ def run_check(rank, world, group, model_path, mode, prefetch=True, kv_cache_dtyp
     Returns each batch's next-token logits
     (CPU), then the decode step's, which runs on a non-CP pool assembled from the owners' pages
     in the shared mode (what the owned-page PD transfer delivers to a decode instance)."""
-    import sglang_model_harness as H
+    from helpers import sglang_model_harness as H
 
     cp = 1 if mode == "off" else world
     sa = setup_process(rank, world, model_path, cp, kv_cache_dtype)
@@ -245,7 +245,7 @@ def run_check(rank, world, group, model_path, mode, prefetch=True, kv_cache_dtyp
         hashlib.sha256(buf.view(torch.uint8).cpu().numpy().tobytes()).hexdigest() for buf in engine.pool.kv_buffer
     ]
     logits.append(engine.run(engine.forward_batch(CHECK_DECODE, toks, decode=True)))
-    import gpu_stand_ins
+    from helpers import gpu_stand_ins
 
     info["stand_ins"] = gpu_stand_ins.report()
     return dict(logits=logits, **info)
