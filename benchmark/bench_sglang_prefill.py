@@ -6,7 +6,7 @@ with and without one-layer-ahead history prefetch, side by side in one run.
     ... the same with --kv-cache-dtype fp8_e4m3     # fp8 KV (656-byte FlashMLA rows) on every path
 
 The model is SGLang's `GlmMoeDsaForCausalLM` with GLM-5's attention and dense-MLP dimensions,
-`--layers` layers and random weights (test/sglang_gpu_harness.py); attention is FlashMLA's sparse
+`--layers` layers and random weights (test/helpers/sglang_gpu_harness.py); attention is FlashMLA's sparse
 prefill kernel; the other stand-ins are in docs/sglang_gpu_forward_audit.md. Cases, as SGLang's
 scheduler runs them: cold prompts (`--cold`) prefilled in chunks of `--chunk` tokens (every chunk
 after the first has history), and prefix hits (`--hit PREFIX:NEW`: a request that shares a cached
@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "test"))
 
-import sglang_gpu_harness as G  # noqa: E402
+from helpers import sglang_gpu_harness as G  # noqa: E402
 from bench_prefill import materialize_vs_allgather, save_results  # noqa: E402
 
 from sglang_nsa_cp.cli import comma_list, format_table, int_pair  # noqa: E402
@@ -67,7 +67,7 @@ class _LayerClock:
 
 
 def _engine(sa, mc, model, path, cp_group, pool_pages, max_len, chunk):
-    import sglang_model_harness as H
+    from helpers import sglang_model_harness as H
 
     from sglang_nsa_cp.envs import envs
     from sglang_nsa_cp.sglang_ext.server_args import ATTR
@@ -178,7 +178,7 @@ def rank_main(rank, world, group, args, model_path):
         _profile(sa, mc, model, cp_group, pool_pages, max_len, clock, cases[-1], args, tokens) if args.profile else {}
     )
     bandwidth = _materialize_bandwidth(args, rank, world, group, cases)
-    import gpu_stand_ins
+    from helpers import gpu_stand_ins
 
     return (
         {"results": results, "bandwidth": bandwidth, "profiles": profiles, "stand_ins": gpu_stand_ins.report()}

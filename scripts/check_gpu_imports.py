@@ -86,7 +86,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.pretend_cuda:
         pretend_cuda()
-    import gpu_stand_ins
+    from helpers import gpu_stand_ins
 
     gpu_stand_ins.install(deep_gemm=not args.no_deep_gemm)
     import torch

@@ -1,6 +1,6 @@
 """Where does a CP=N run of SGLang's DSA model first differ from CP off? (CPU, ~4 min for N=4)
 
-Runs test/sglang_model_harness.py's scenario twice (CP off on 1 rank, then `mode` on N gloo ranks)
+Runs test/helpers/sglang_model_harness.py's scenario twice (CP off on 1 rank, then `mode` on N gloo ranks)
 with hooks on every decoder layer, its attention, MLP and indexer, and on the indexer's MQA-logits
 call, then prints per prefill batch and layer: the token rows whose top-k set, attention output or
 layer output differ (rows in global token order), and for each row whose top-k set differs whether
@@ -27,7 +27,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
-import sglang_model_harness as H  # noqa: E402
+from helpers import sglang_model_harness as H  # noqa: E402
 
 
 def _stable_topk(x, k, dim=-1):

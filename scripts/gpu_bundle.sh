@@ -19,7 +19,7 @@ SGLANG=sglang==0.5.23
 SGL_KERNEL=sglang-kernel==0.4.10 # only its pure-Python package travels (see gpu_stand_ins.py)
 FLASH_MLA=sgl-flash-mla==1.0.0   # torch stable ABI: loads on torch 2.11
 # SGLang's import-time dependencies that the GPU machine lacks, found by importing SGLang's DSA
-# modules and running its DSA forward on CPU (test/test_sglang_model_forward.py) on a venv that
+# modules and running its DSA forward on CPU (test/sglang_ext/layers/test_sglang_model_forward.py) on a venv that
 # holds only the GPU machine's packages (docs/gpu_bundle.md). Versions
 # are those SGLang 0.5.23 resolves to. typing-extensions shadows the machine's copy because
 # pydantic 2.14 needs >= 4.16; transformers because SGLang pins 5.19.0 (the machine has 5.17).
@@ -136,7 +136,7 @@ unpack_wheel "$WORK"/dl_fmla/*.whl "$F"
 pack "$OUT/flash_mla.tar.xz" "$F" .
 
 # 4. sgl_kernel: sglang-kernel's Python files only (its .so op libraries need torch 2.14's C++
-#    ABI, and flash_ops alone is 1.1 GB); test/gpu_stand_ins.py stands in for the op library.
+#    ABI, and flash_ops alone is 1.1 GB); test/helpers/gpu_stand_ins.py stands in for the op library.
 K=$WORK/sgl_kernel
 unpack_wheel "$WORK"/dl_sgk/*.whl "$K"
 find "$K" -name '*.so' -delete

@@ -1,17 +1,18 @@
 """Run one registered test suite the way SGLang's CI does (its test/run_suite.py), with pytest.
 
-Every test/test_*.py registers itself with SGLang's markers from `sglang.test.ci.ci_register`,
-`register_cpu_ci(est_time=S, suite=...)` or `register_cuda_ci(...)` (parsed from the source,
-no-ops at run time), and has an `if __name__ == "__main__":` entry. This script collects them
-with SGLang's own `collect_tests`, keeps the named suite's files, optionally one `auto_partition`
-of N (balanced by est_time), and runs them with pytest: in one process (the default: the files
-share their imports), or one process per file with --per-file (each file's time beside its
-est_time, for refreshing the estimates). A test file that is not registered stops the run before
-any test, with the lines to add.
+Every test_*.py under test/ (each in the folder of the source it specifies) registers itself with
+SGLang's markers from `sglang.test.ci.ci_register`, `register_cpu_ci(est_time=S, suite=...)` or
+`register_cuda_ci(...)` (parsed from the source, no-ops at run time), and has an
+`if __name__ == "__main__":` entry. This script collects them with SGLang's own `collect_tests`,
+keeps the named suite's files, optionally one `auto_partition` of N (balanced by est_time), and
+runs them with pytest: in one process (the default: the files share their imports), or one
+process per file with --per-file (each file's time beside its est_time, for refreshing the
+estimates). A test file that is not registered stops the run before any test, with the lines
+to add.
 
     python scripts/run_suite.py                                    # the CPU suite
     python scripts/run_suite.py --auto-partition-id 0 --auto-partition-size 2
-    python scripts/run_suite.py --suite nsa-cp-test-2-gpu-h200 -- -s   # after --: pytest's own
+    python scripts/run_suite.py --suite nsa-cp-test-1-gpu-h200 -- -s   # after --: pytest's own
     python scripts/run_suite.py --list                             # the plan; runs nothing
 
 Exit status: pytest's (0 when every file passed), 1 when a per-file run failed or the machine has
@@ -46,8 +47,8 @@ class Suite:
 
 SUITES = {
     "nsa-cp-test-cpu": Suite(HWBackend.CPU, 0, "1", "CPU with Triton's interpreter, what CI runs"),
-    "nsa-cp-test-1-gpu-h200": Suite(HWBackend.CUDA, 1, "0", "one H200: Triton kernels compiled for it"),
-    "nsa-cp-test-2-gpu-h200": Suite(HWBackend.CUDA, 2, "0", "two H200s: SGLang's DSA forward over NCCL"),
+    # SGLang's forward runs a rank per GPU over NCCL where there are enough GPUs, else shares GPU 0
+    "nsa-cp-test-1-gpu-h200": Suite(HWBackend.CUDA, 1, "0", "one or more H200s: kernels and SGLang's forward"),
 }
 DEFAULT_SUITE = "nsa-cp-test-cpu"
 REGISTER_FN = {HWBackend.CPU: "register_cpu_ci", HWBackend.CUDA: "register_cuda_ci"}
@@ -60,8 +61,8 @@ def shown(path: str) -> str:
 
 
 def test_files(test_dir: str) -> list[str]:
-    """test_DIR/test_*.py, sorted, relative to the repository when inside it."""
-    return [shown(p) for p in sorted(glob.glob(os.path.join(test_dir, "test_*.py")))]
+    """Every test_*.py in test_dir and its subfolders, sorted, relative to the repository when inside it."""
+    return [shown(p) for p in sorted(glob.glob(os.path.join(test_dir, "**", "test_*.py"), recursive=True))]
 
 
 def how_to_register(path: str, registered: bool) -> str:
@@ -79,7 +80,7 @@ def how_to_register(path: str, registered: bool) -> str:
         "    from sglang.test.ci.ci_register import register_cpu_ci\n\n"
         f'    register_cpu_ci(est_time=SECONDS, suite="{DEFAULT_SUITE}")\n\n'
         f"  and{at_end}\n"
-        f"  SECONDS: its wall time on the CPU CI machine, `time .venv/bin/python {path}`. A GPU test\n"
+        f"  SECONDS: its wall time on the CPU CI machine, `time .venv/bin/python -m pytest {path}`. A GPU test\n"
         f"  imports and calls register_cuda_ci instead, with suite {gpu}.\n"
     )
 
@@ -167,9 +168,10 @@ def run_files(enabled: list[CIRegistry], pytest_args: list[str], per_file: bool,
     # 5 is pytest's "no tests collected": a -k or -m given after -- may leave a file nothing to run.
     ok = (0, 5) if pytest_args else (0,)
     print(f"\nrun_suite: {len(rows)} file(s), one pytest process each: {time.monotonic() - t0:.0f} s")
-    print(f"  {'file':44} {'est s':>6} {'took s':>7}  exit")
+    width = max(len(name) for name, *_ in rows)
+    print(f"  {'file':{width}} {'est s':>6} {'took s':>7}  exit")
     for name, est, took, rc in rows:
-        print(f"  {name:44} {est:6.0f} {took:7.0f}  {rc}{'' if rc in ok else '  FAILED'}")
+        print(f"  {name:{width}} {est:6.0f} {took:7.0f}  {rc}{'' if rc in ok else '  FAILED'}")
     return 0 if all(rc in ok for *_, rc in rows) else 1
 
 
@@ -180,7 +182,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--auto-partition-size", type=int, help="how many partitions the suite is split into")
     parser.add_argument("--per-file", action="store_true", help="one pytest process per file, with timings")
     parser.add_argument("--list", action="store_true", help="print the plan and exit")
-    parser.add_argument("--test-dir", default=os.path.join(REPO, "test"), help="where test_*.py are (default test/)")
+    parser.add_argument(
+        "--test-dir",
+        default=os.path.join(REPO, "test"),
+        help="where test_*.py are, subfolders included (default test/)",
+    )
     own, pytest_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     args = parser.parse_args(own)
     args.pytest_args = pytest_args

@@ -8,4 +8,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_cpu.sh
 # Triton's interpreter must be selected before triton is imported (sglang imports it too).
 export TRITON_INTERPRET=1
-exec .venv/bin/python test/sglang_servers.py "$@"
+# The servers' module is in the test helpers package (test/helpers/).
+export PYTHONPATH=test${PYTHONPATH:+:$PYTHONPATH}
+exec .venv/bin/python -m helpers.sglang_servers "$@"

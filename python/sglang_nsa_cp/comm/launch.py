@@ -110,14 +110,19 @@ def _dump_stacks(procs, ranks: list[int], stack_paths: list[Path]) -> dict[int, 
         if procs[r].is_alive():
             os.kill(procs[r].pid, signal.SIGUSR1)
     time.sleep(STACK_DUMP_WAIT_S)
-    return {r: stack_paths[r].read_text().strip() or "(no stack written)" for r in ranks}
+    return {r: _read_stack(stack_paths[r]) or "(no stack written)" for r in ranks}
+
+
+def _read_stack(path: Path) -> str:
+    """What a rank's faulthandler wrote; empty if it died before opening its file."""
+    return path.read_text().strip() if path.exists() else ""
 
 
 def _collect_dead(procs, outcomes: dict, stack_paths: list[Path]) -> list[int]:
     """Record, as failed, each rank that exited without reporting this call's outcome."""
     dead = [r for r, p in enumerate(procs) if r not in outcomes and p.exitcode is not None]
     for r in dead:
-        stack = stack_paths[r].read_text().strip()
+        stack = _read_stack(stack_paths[r])
         outcomes[r] = ("error", f"process exited with code {procs[r].exitcode}\n{stack}".strip())
     return dead
 

@@ -11,7 +11,7 @@ processor hook (`layers/logits_processor.py`) then takes them as already pruned.
 
 The choice is a pure function of the batch (every CP rank holds the same ForwardBatch), so all
 ranks issue the same collective. SGLang's interleave split and our `plan_split(..., "interleave")`
-assign the same tokens in the same local order (test/test_split_matches_sglang.py), so the plan
+assign the same tokens in the same local order (test/layout/test_split_matches_sglang.py), so the plan
 names each request's last-token row on its rank.
 """
 

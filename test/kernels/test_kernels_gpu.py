@@ -34,10 +34,9 @@ from sglang_nsa_cp import kernels  # noqa: E402
 from sglang_nsa_cp.envs import envs  # noqa: E402
 from sglang_nsa_cp.kernels import copy_rows, formats, index_k_store, mla_fp8_store  # noqa: E402
 
-from test_kernels import assert_bytes_equal, every_bf16_block_value  # noqa: E402
+from helpers.kernel_bytes import POISON, assert_bytes_equal, every_bf16_block_value  # noqa: E402
 
 DEV = torch.device("cuda")
-POISON = 0xAB
 PAGE = 64
 ROW_KINDS = [
     ("bf16-latent-1152B", torch.bfloat16, 576),

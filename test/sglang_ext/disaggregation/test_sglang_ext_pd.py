@@ -107,7 +107,7 @@ def _write_latent(pool, pages):
     shared pool quantizes once and persists its owned rows, SGLang's pool stores every row. The
     quantizer is the torch twin of SGLang's Triton one in both (sglang_cpu_forward.md: the
     interpreter is too slow for it)."""
-    import sglang_cpu_stand_ins
+    from helpers import sglang_cpu_stand_ins
 
     sglang_cpu_stand_ins.install_fp8_kv_stand_ins()
     for layer in range(LAYERS):

@@ -1,4 +1,4 @@
-"""CPU, ~20 s (four interpreters importing torch): the GPU harness's import-time stand-ins (test/gpu_stand_ins.py) on a fake
+"""CPU, ~20 s (four interpreters importing torch): the GPU harness's import-time stand-ins (test/helpers/gpu_stand_ins.py) on a fake
 sgl_kernel package laid out like the real one (its load_utils.py loads the op library at import).
 Each case runs in a fresh interpreter: the stand-ins change sys.meta_path and torch.ops."""
 
@@ -12,7 +12,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=20, suite="nsa-cp-test-cpu")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+TEST_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # holds helpers/
 
 FAKE_INIT = """
 from sgl_kernel.load_utils import _load_architecture_specific_ops
@@ -33,9 +33,9 @@ def _run(
         (pkg / "__init__.py").write_text(FAKE_INIT)
         (pkg / "load_utils.py").write_text(FAKE_LOAD_UTILS)
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_ENABLE_JIT_DEEPGEMM"}
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), HERE])
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), TEST_DIR])
     env.update(env_extra or {})
-    code = "import gpu_stand_ins as g\n" + textwrap.dedent(body)
+    code = "from helpers import gpu_stand_ins as g\n" + textwrap.dedent(body)
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
 

@@ -1,4 +1,4 @@
-"""GPU, ~15 s: the harness's Triton fp8 MQA-logits kernel (test/mqa_logits_triton.py) against an
+"""GPU, ~15 s: the harness's Triton fp8 MQA-logits kernel (test/helpers/mqa_logits_triton.py) against an
 fp32 reference of DeepGEMM's `fp8_mqa_logits` contract (within fp8 tensor-core accumulation) and against SGLang's own torch fallback
 (`_fp8_mqa_logits_torch`, whose scores are rounded to bf16). Only columns ks <= n < ke are
 compared: the kernel leaves the others unwritten, as DeepGEMM does with clean_logits=False.
@@ -24,7 +24,7 @@ triton = pytest.importorskip("triton")
 if triton.knobs.runtime.interpret:
     pytest.skip("GPU kernel tests need TRITON_INTERPRET=0", allow_module_level=True)
 
-from mqa_logits_triton import fp8_mqa_logits  # noqa: E402
+from helpers.mqa_logits_triton import fp8_mqa_logits  # noqa: E402
 
 
 def _case(m, n, heads, seed):
@@ -62,7 +62,7 @@ def test_triton_mqa_logits_agree_with_sglangs_torch_fallback():
 
     if importlib.util.find_spec("sgl_kernel") is None:
         pytest.skip("needs the GPU bundle (docs/gpu_bundle.md)")
-    import sglang_gpu_harness as G
+    from helpers import sglang_gpu_harness as G
 
     G.install()  # stand-ins before the first sglang import
     from sglang.srt.layers.attention.dsa.utils import _fp8_mqa_logits_torch

@@ -12,41 +12,11 @@ from contextlib import contextmanager  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
+from helpers.dsa_pool import KV_DTYPES, LAYERS, PAGE, no_dcp, pool_kwargs  # noqa: E402
+
 register_cpu_ci(est_time=15, suite="nsa-cp-test-cpu")
-
-
-PAGE = 64
-LAYERS = 2
-KV_DIM = 576
-# KV cache dtypes the pool takes: (torch dtype, SGLang's kv_cache_dim, latent bytes per token)
-KV_DTYPES = {"bf16": (torch.bfloat16, KV_DIM, 2 * KV_DIM), "fp8": (torch.float8_e4m3fn, 656, 656)}
-
-
-@contextmanager
-def _no_dcp():
-    from sglang.srt.runtime_context import get_parallel
-
-    with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False):
-        yield
-
-
-def _pool_kwargs(size, kv="bf16"):
-    dtype, kv_cache_dim, _ = KV_DTYPES[kv]
-    return dict(
-        size=size,
-        page_size=PAGE,
-        kv_lora_rank=512,
-        dtype=dtype,
-        qk_rope_head_dim=64,
-        layer_num=LAYERS,
-        device="cpu",
-        index_head_dim=128,
-        enable_memory_saver=False,
-        kv_cache_dim=kv_cache_dim,  # 656 for fp8: SGLang's FlashMLA row (calculate_mla_kv_cache_dim)
-    )
 
 
 @pytest.mark.parametrize("kv", KV_DTYPES)
@@ -58,12 +28,12 @@ def test_logical_capacity_grows_n_times_for_the_same_memory(kv):
     from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import SharedKVDSATokenToKVPool
 
     per_rank_tokens = 32 * PAGE
-    with _no_dcp():
-        stock_pool = DSATokenToKVPool(**_pool_kwargs(per_rank_tokens, kv))
+    with no_dcp():
+        stock_pool = DSATokenToKVPool(**pool_kwargs(per_rank_tokens, kv))
         stock = stock_pool.get_kv_size_bytes()
         for n in (2, 4, 8):
             pool = SharedKVDSATokenToKVPool(
-                **_pool_kwargs(n * per_rank_tokens, kv), cp_rank=n - 1, cp_size=n, cp_group=None
+                **pool_kwargs(n * per_rank_tokens, kv), cp_rank=n - 1, cp_size=n, cp_group=None
             )
             assert pool.size == n * per_rank_tokens
             # the shard has the stock pool's row format (what PD registers and sends)
@@ -143,10 +113,10 @@ def test_build_dsa_kv_pool_hook_builds_the_shared_pool_for_this_cp_rank(kv):
     configurator = _configurator(context_len=1000, kv=kv)
 
     def original(self, *, max_total_num_tokens, max_running_requests, dsa_pool_class):
-        return dsa_pool_class(**_pool_kwargs(max_total_num_tokens, kv))  # what SGLang's builder does
+        return dsa_pool_class(**pool_kwargs(max_total_num_tokens, kv))  # what SGLang's builder does
 
     cp_group = SimpleNamespace(device_group="the CP device group")
-    with _no_dcp(), envs.SGLANG_NSA_CP_SHARED_KV.override(True), _chunked_prefill(200):
+    with no_dcp(), envs.SGLANG_NSA_CP_SHARED_KV.override(True), _chunked_prefill(200):
         with get_parallel().override(attn_cp_rank=2, attn_cp_size=4, attn_cp_group=cp_group):
             pool = build_dsa_kv_pool(
                 original,
@@ -178,7 +148,7 @@ def test_build_dsa_kv_pool_hook_builds_the_shared_pool_for_this_cp_rank(kv):
                 )
             with pytest.raises(RuntimeError, match="instead of the shared-KV pool"):
                 build_dsa_kv_pool(
-                    lambda self, **kw: DSATokenToKVPool(**_pool_kwargs(8 * PAGE)),
+                    lambda self, **kw: DSATokenToKVPool(**pool_kwargs(8 * PAGE)),
                     configurator, max_total_num_tokens=8 * PAGE, max_running_requests=4, dsa_pool_class=DSATokenToKVPool,
                 )  # fmt: skip
 

@@ -12,7 +12,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=254, suite="nsa-cp-test-cpu")
 
-ROOT = pathlib.Path(__file__).parents[1]
+ROOT = pathlib.Path(__file__).parents[2]
 
 
 @pytest.mark.parametrize("cp", [4, 8])

@@ -8,7 +8,7 @@ docs/gpu_bundle.md (`source scripts/gpu_unpack.sh`). What replaces the kernels t
 there is listed, with the reason for each, in docs/sglang_gpu_forward_audit.md; `install()`
 applies the process-wide part before SGLang is imported, `build_model` the per-module part.
 
-Used by test/test_sglang_gpu_forward.py (correctness) and benchmark/bench_sglang_prefill.py.
+Used by test/sglang_ext/layers/test_sglang_gpu_forward.py (correctness) and benchmark/bench_sglang_prefill.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from sglang_model_harness import PAGE  # the DSA page: 64 tokens
+from helpers.sglang_model_harness import PAGE  # the DSA page: 64 tokens
 
 # SGLang's own switches for its torch / Triton paths (audit rows 15-19, 21), set before import.
 ENV = {
@@ -60,11 +60,20 @@ def write_config(path: str, cfg: dict) -> str:
 
 def install() -> None:
     """Process-wide stand-ins; call before the first `import sglang...`."""
-    import gpu_stand_ins
+    from helpers import gpu_stand_ins
 
     for k, v in ENV.items():
         os.environ[k] = v
     gpu_stand_ins.install()
+
+
+def comm_setup(rank: int, world: int) -> tuple[str, int]:
+    """(backend, GPU) of `rank`: NCCL with a GPU per rank where there are enough GPUs; otherwise
+    every rank on GPU 0 over gloo (NCCL refuses two ranks on one GPU). The kernels and the data are
+    the same either way, so the bit-for-bit checks hold; only the collectives' speed differs, which
+    is why the benchmark insists on a GPU per rank."""
+    gpus = torch.cuda.device_count()
+    return ("nccl", rank) if gpus >= world else ("gloo", 0)
 
 
 def setup_process(rank: int, world: int, model_path: str, cp_size: int, kv_cache_dtype: str = "bfloat16"):
@@ -72,7 +81,8 @@ def setup_process(rank: int, world: int, model_path: str, cp_size: int, kv_cache
     fp8_e4m3: SGLang's fp8 pool (656-byte FlashMLA rows); prefill stays on flashmla_sparse (which
     dequantizes a prefix batch's KV to bf16), decode takes flashmla_kv, SGLang's fp8 decode on SM90."""
     install()
-    torch.cuda.set_device(rank)
+    backend, device = comm_setup(rank, world)
+    torch.cuda.set_device(device)
     from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
@@ -89,16 +99,19 @@ def setup_process(rank: int, world: int, model_path: str, cp_size: int, kv_cache
     reset_context()
     publish(sa, role="test", ranks=SpawnRanks(world_rank=rank))
     parallel_state.set_custom_all_reduce(False)  # audit row 26: a JIT / sgl_kernel all-reduce
-    # torch.distributed is already up (NCCL, from run_ranks): SGLang builds its groups on it.
-    init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="nccl")
-    initialize_model_parallel(backend="nccl")
+    if backend == "gloo":  # SGLang would still open its own NCCL communicator per group (pynccl)
+        make_group = parallel_state.init_model_parallel_group
+        parallel_state.init_model_parallel_group = lambda *a, **k: make_group(*a, **{**k, "use_pynccl": False})
+    # torch.distributed is already up (from run_ranks, on the same backend): SGLang builds its groups on it.
+    init_distributed_environment(world_size=world, rank=rank, local_rank=device, backend=backend)
+    initialize_model_parallel(backend=backend)
     _replace_kernels()
     return sa
 
 
 def _replace_kernels() -> None:
     """Audit rows 7, 8, 11, 13, 15, 17: module-level switches to SGLang's own paths, or ours."""
-    import mqa_logits_triton
+    from helpers import mqa_logits_triton
     import sglang.kernels.ops.attention.dsv4 as dsv4
     import sglang.kernels.ops.kvcache.set_mla_kv_buffer as set_mla
     import sglang.kernels.ops.quantization.hadamard as hadamard
@@ -106,7 +119,7 @@ def _replace_kernels() -> None:
     from sglang.srt.layers.attention.dsa import dsa_indexer
     from sglang.srt.layers.attention.dsa import utils as dsa_utils
 
-    from sglang_cpu_stand_ins import hadamard_reference, pad_ragged_topk_offsets
+    from helpers.sglang_cpu_stand_ins import hadamard_reference, pad_ragged_topk_offsets
 
     hadamard.hadamard_transform = hadamard_reference  # JIT fast-hadamard-transform
     pad_ragged_topk_offsets()  # fp8 KV: the RAGGED transform with the unfused top-k under CP (audit)
@@ -132,8 +145,8 @@ def build_model(sa, seed: int = 0):
     from sglang.srt.models.deepseek_v2 import DeepseekV2AttentionMLA, DeepseekV32ForCausalLM
     from sglang.srt.models.glm4_moe import GlmMoeDsaForCausalLM
 
-    from sglang_cpu_stand_ins import _rope_native_any_rank
-    from sglang_model_harness import random_checkpoint
+    from helpers.sglang_cpu_stand_ins import _rope_native_any_rank
+    from helpers.sglang_model_harness import random_checkpoint
 
     mc = ModelConfig.from_server_args(sa)
     cfg = json.load(open(os.path.join(sa.model_path, "config.json")))
@@ -186,7 +199,7 @@ def run_check(rank, world, group, model_path, mode, prefetch=True, kv_cache_dtyp
     Returns each batch's next-token logits
     (CPU), then the decode step's, which runs on a non-CP pool assembled from the owners' pages
     in the shared mode (what the owned-page PD transfer delivers to a decode instance)."""
-    import sglang_model_harness as H
+    from helpers import sglang_model_harness as H
 
     cp = 1 if mode == "off" else world
     sa = setup_process(rank, world, model_path, cp, kv_cache_dtype)
@@ -232,7 +245,7 @@ def run_check(rank, world, group, model_path, mode, prefetch=True, kv_cache_dtyp
         hashlib.sha256(buf.view(torch.uint8).cpu().numpy().tobytes()).hexdigest() for buf in engine.pool.kv_buffer
     ]
     logits.append(engine.run(engine.forward_batch(CHECK_DECODE, toks, decode=True)))
-    import gpu_stand_ins
+    from helpers import gpu_stand_ins
 
     info["stand_ins"] = gpu_stand_ins.report()
     return dict(logits=logits, **info)

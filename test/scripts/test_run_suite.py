@@ -2,6 +2,7 @@
 an unregistered or entry-less file stops it with its name and the lines to add, and partitions
 split a suite into disjoint parts balanced by est_time. CPU, ~20 s (two runs of the script)."""
 
+import ast
 import importlib.util
 import os
 import subprocess
@@ -12,7 +13,7 @@ from sglang.test.ci.ci_register import collect_tests, register_cpu_ci
 
 register_cpu_ci(est_time=100, suite="nsa-cp-test-cpu")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "scripts", "run_suite.py")
 _spec = importlib.util.spec_from_file_location("run_suite", SCRIPT)
 RS = sys.modules["run_suite"] = importlib.util.module_from_spec(_spec)  # scripts/ is not a package
@@ -46,29 +47,51 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 def test_every_test_file_here_is_registered_to_a_suite_the_runner_runs():
     files = RS.test_files(os.path.join(REPO, "test"))
-    assert len(files) >= 20 and "test/test_run_suite.py" in files, files
+    assert len(files) >= 20 and "test/scripts/test_run_suite.py" in files, files
     assert RS.registration_problems(files) == []
     suites = {r.filename: r.effective_suite for r in collect_tests(files)}
-    assert suites["test/test_sglang_gpu_forward.py"] == "nsa-cp-test-2-gpu-h200"
-    assert suites["test/test_kernels_gpu.py"] == suites["test/test_mqa_logits_triton.py"] == "nsa-cp-test-1-gpu-h200"
+    gpu = (
+        "sglang_ext/layers/test_sglang_gpu_forward.py",
+        "kernels/test_kernels_gpu.py",
+        "harness/test_mqa_logits_triton.py",
+    )
+    assert {suites[f"test/{f}"] for f in gpu} == {"nsa-cp-test-1-gpu-h200"}
+
+
+def test_no_test_file_imports_another_and_every_name_is_unique():
+    """Shared code lives in test/helpers/; pytest imports each test file by its own name (its folder
+    is not a package), so two files of one name in different folders would collide."""
+    files = RS.test_files(os.path.join(REPO, "test"))
+    names = {os.path.basename(f)[: -len(".py")] for f in files}
+    assert len(names) == len(files), sorted(files)
+    for path in files:
+        with open(os.path.join(REPO, path)) as f:
+            tree = ast.parse(f.read(), filename=path)
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not imported & names, (
+            f"{path} imports test module(s) {sorted(imported & names)}: move that code into test/helpers/"
+        )
 
 
 def test_an_unregistered_file_stops_the_run_naming_it_and_the_fix(tmp_path):
+    """The new file sits in a subfolder, as the tests do (test/<source folder>/test_*.py)."""
     (tmp_path / "test_registered.py").write_text(REGISTERED)
-    (tmp_path / "test_new_feature.py").write_text(UNREGISTERED)
+    (tmp_path / "layout").mkdir()
+    (tmp_path / "layout" / "test_new_feature.py").write_text(UNREGISTERED)
     run = _run("--test-dir", str(tmp_path))
     assert run.returncode == 2, run.stdout + run.stderr
     assert "test_registered.py" not in run.stdout, "the plan was printed: the check must come first"
     err = run.stderr
-    assert f"{tmp_path}/test_new_feature.py is not registered for CI" in err, err
+    assert f"{tmp_path}/layout/test_new_feature.py is not registered for CI" in err, err
     assert "nothing was run" in err and "test_registered.py" not in err, err
     for line in ("from sglang.test.ci.ci_register import register_cpu_ci",
                  'register_cpu_ci(est_time=SECONDS, suite="nsa-cp-test-cpu")',
                  'if __name__ == "__main__":', 'sys.exit(pytest.main([__file__, "-q"]))',
-                 f"time .venv/bin/python {tmp_path}/test_new_feature.py"):  # fmt: skip
+                 f"time .venv/bin/python -m pytest {tmp_path}/layout/test_new_feature.py"):  # fmt: skip
         assert line in err, f"{line!r} missing from:\n{err}"
     # The lines the message gives, as it says to add them, make the file pass the check.
-    (tmp_path / "test_new_feature.py").write_text(
+    (tmp_path / "layout" / "test_new_feature.py").write_text(
         'import sys\n\nimport pytest\nfrom sglang.test.ci.ci_register import register_cpu_ci\n\n'
         'register_cpu_ci(est_time=3, suite="nsa-cp-test-cpu")\n' + UNREGISTERED +
         '\n\nif __name__ == "__main__":\n    sys.exit(pytest.main([__file__, "-q"]))\n'
@@ -127,11 +150,11 @@ def test_bad_arguments_are_refused(argv, message, capsys):
 def test_arguments_after_double_dash_go_to_pytest():
     args = RS.parse_args(["--per-file", "--", "-k", "zigzag", "-x"])
     assert args.per_file and args.pytest_args == ["-k", "zigzag", "-x"]
-    assert RS.pytest_command(["test/test_split.py"], args.pytest_args)[-4:] == [
+    assert RS.pytest_command(["test/layout/test_split.py"], args.pytest_args)[-4:] == [
         "-k",
         "zigzag",
         "-x",
-        "test/test_split.py",
+        "test/layout/test_split.py",
     ]
 
 

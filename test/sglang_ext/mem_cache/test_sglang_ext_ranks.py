@@ -43,9 +43,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
-from paged_requests import PagedRequests  # noqa: E402
+from helpers.dsa_pool import LAYERS, PAGE, no_dcp, pool_kwargs  # noqa: E402
+from helpers.paged_requests import PagedRequests  # noqa: E402
 from sglang_nsa_cp.comm import TrafficCounter, run_ranks  # noqa: E402
-from test_sglang_ext_pool import LAYERS, PAGE, _no_dcp, _pool_kwargs  # noqa: E402
 
 register_cpu_ci(est_time=80, suite="nsa-cp-test-cpu")
 
@@ -210,17 +210,17 @@ def _run_scenario(rank, n, group, seed, prefetch, kv="bf16"):
     from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import SharedKVDSATokenToKVPool
 
     if kv == "fp8":  # SGLang's Triton fp8 quantizer is ~20 ms per program in the interpreter
-        import sglang_cpu_stand_ins
+        from helpers import sglang_cpu_stand_ins
 
         sglang_cpu_stand_ins.install_fp8_kv_stand_ins()  # its torch twin, in both pools (sglang_cpu_forward.md)
     size = 24 * PAGE
     cp_base.init_cp_strategy(enable_prefill_cp=True, cp_size=n, cp_strategy="interleave")
     from sglang_nsa_cp.envs import envs
 
-    with _no_dcp(), get_parallel().override(attn_cp_rank=rank, attn_cp_size=n, enable_cp_tp_group_sharing=False):
-        ref = DSATokenToKVPool(**_pool_kwargs(size, kv))
+    with no_dcp(), get_parallel().override(attn_cp_rank=rank, attn_cp_size=n, enable_cp_tp_group_sharing=False):
+        ref = DSATokenToKVPool(**pool_kwargs(size, kv))
         with envs.SGLANG_NSA_CP_PREFETCH.override(prefetch):
-            pool = SharedKVDSATokenToKVPool(**_pool_kwargs(size, kv), cp_rank=rank, cp_size=n, cp_group=group)
+            pool = SharedKVDSATokenToKVPool(**pool_kwargs(size, kv), cp_rank=rank, cp_size=n, cp_group=group)
         assert pool.prefetcher.enabled == prefetch
         pool.prefetcher.min_pages_per_rank = 1  # these histories are a few pages: prefetch them all the same
         pool.counter = TrafficCounter()

@@ -14,9 +14,9 @@ import os
 from types import SimpleNamespace
 from unittest import mock
 
-import sglang_cpu_stand_ins as stand_ins
+from helpers import sglang_cpu_stand_ins as stand_ins
 import torch
-from paged_requests import PagedRequests
+from helpers.paged_requests import PagedRequests
 
 PAGE = 64
 ENV = stand_ins.ENV

@@ -1,7 +1,7 @@
 """CPU, ~3-4 min (real servers, ~15 processes on 2 cores): `python -m sglang.launch_server` with
 `--enable-nsa-prefill-cp-shared-kv` on a PD prefill, over HTTP, checked against oracle servers.
 
-Servers (test/sglang_servers.py; all on a tiny DeepSeek-V3.2 checkpoint written here, CPU
+Servers (test/helpers/sglang_servers.py; all on a tiny DeepSeek-V3.2 checkpoint written here, CPU
 stand-ins from a test-only plugin, docs/sglang_cpu_server.md):
 - shared:     PD prefill, CP=2 interleave, the flag (the product's deployment);
 - replicated: PD prefill, CP=2 interleave, no flag (today's replicated CP);
@@ -30,7 +30,7 @@ import pytest  # noqa: E402
 import requests  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
-import sglang_servers as S  # noqa: E402
+from helpers import sglang_servers as S  # noqa: E402
 
 register_cpu_ci(est_time=240, suite="nsa-cp-test-cpu")
 

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import requests
 
-import sglang_cpu_stand_ins
-import sglang_model_harness as H
+from helpers import sglang_cpu_stand_ins
+from helpers import sglang_model_harness as H
 
-TEST_DIR = Path(__file__).resolve().parent
+TEST_DIR = Path(__file__).resolve().parents[1]  # test/: what `import helpers` needs on the path
 PYTHON = sys.executable
 CP = 2
 PAGE = 64
@@ -63,7 +63,7 @@ SERVER_ENV = {
 }
 
 PLUGIN_DIST = "sglang_nsa_cp_cpu_stand_ins-0.0.0.dist-info"
-PLUGIN_ENTRY_POINT = "[sglang.srt.plugins]\ncpu_stand_ins = sglang_cpu_stand_ins:register\n"
+PLUGIN_ENTRY_POINT = "[sglang.srt.plugins]\ncpu_stand_ins = helpers.sglang_cpu_stand_ins:register\n"
 
 
 # ---- the model -------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
-from sglang_cp_reference import (  # noqa: E402
+from helpers.sglang_cp_reference import (  # noqa: E402
     flat_positions,
     sglang_gather,
     sglang_interleave_q_lens,

@@ -5,6 +5,7 @@ import os
 import random
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -112,6 +113,21 @@ def _die_on_rank_two(rank, world, group):
 def test_a_dead_rank_stops_the_others():
     with pytest.raises(RankFailure, match=r"rank 2/3 failed:\nprocess exited with code 3"):
         run_ranks(_die_on_rank_two, 3, timeout_s=60)
+
+
+def test_ranks_that_cannot_load_their_function_are_reported():
+    """A rank that cannot even load its function (here: it lives in a module only this process
+    has) reports why, with its traceback, instead of hanging or tripping over its stack file."""
+    module = types.ModuleType("only_in_the_parent")
+    exec("def fn(rank, world, group):\n    return rank", module.__dict__)
+    sys.modules[module.__name__] = module
+    try:
+        with pytest.raises(
+            RankFailure, match=r"rank \d/2 failed:\nTraceback[\s\S]*No module named 'only_in_the_parent'"
+        ):
+            run_ranks(module.fn, 2, timeout_s=60)
+    finally:
+        del sys.modules[module.__name__]
 
 
 def _hang_on_rank_zero(rank, world, group):

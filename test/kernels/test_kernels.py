@@ -28,7 +28,6 @@ from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 register_cpu_ci(est_time=10, suite="nsa-cp-test-cpu")
 
 triton = pytest.importorskip("triton")
-# Not a module-level skip: test_kernels_gpu.py imports this file's helpers.
 pytestmark = pytest.mark.skipif(
     not triton.knobs.runtime.interpret, reason="CPU kernel tests need TRITON_INTERPRET=1 before triton is imported"
 )
@@ -39,7 +38,8 @@ from sglang_nsa_cp import kernels  # noqa: E402
 from sglang_nsa_cp.envs import envs  # noqa: E402
 from sglang_nsa_cp.kernels import copy_rows, formats, index_k_store, mla_fp8_store  # noqa: E402
 
-POISON = 0xAB
+from helpers.kernel_bytes import POISON, assert_bytes_equal, every_bf16_block_value  # noqa: E402
+
 # (name, dtype, elements per row): the row kinds of the shared-KV path, plus widths that force
 # 1- and 2-byte words and a strided source.
 ROW_KINDS = [
@@ -69,18 +69,6 @@ def poisoned(rows: int, dtype: torch.dtype, width: int) -> torch.Tensor:
     out = torch.empty((rows, width), dtype=dtype)
     out.view(torch.uint8).fill_(POISON)
     return out
-
-
-def assert_bytes_equal(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    got_b, want_b = got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
-    assert got_b.shape == want_b.shape, f"{name}: shape {tuple(got_b.shape)} != {tuple(want_b.shape)}"
-    diff = (got_b != want_b).nonzero()
-    if len(diff):
-        r, c = diff[0].tolist()
-        pytest.fail(
-            f"{name}: {len(diff)} of {got_b.numel()} bytes differ; first at row {r} byte {c}: "
-            f"got {got_b[r, c].item():#04x}, want {want_b[r, c].item():#04x} (poison {POISON:#04x})"
-        )
 
 
 def with_skips(index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -205,21 +193,6 @@ def test_store_owned_mla_fp8(seed, cp_size, page_size):
             poisoned(shard_rows, torch.uint8, 656), slots, kv, rank, cp_size, page_size
         )
         assert_bytes_equal(f"fp8 store {cp_size=} {page_size=} {rank=} {tokens=} {seed=}", got, want)
-
-
-def every_bf16_block_value() -> torch.Tensor:
-    """Latent rows whose 128-value blocks each hold 448 (so the scale is exactly 1 and the fp8
-    codes are the values themselves) and then every bf16 value from 2**-12 to 448, both signs:
-    all rounding ties, mantissa carries into the next exponent, and subnormal codes."""
-    bits = torch.arange(0x3980, 0x43E1, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    values = torch.cat([bits, -bits])
-    per_block = 127
-    blocks = -(-values.numel() // per_block)
-    values = torch.cat([values, torch.zeros(blocks * per_block - values.numel(), dtype=torch.bfloat16)])
-    tile = torch.cat([torch.full((blocks, 1), 448.0, dtype=torch.bfloat16), values.view(blocks, per_block)], 1)
-    tile = torch.cat([tile, tile[: (-blocks) % 4]])  # whole rows of four blocks
-    nope = tile.reshape(-1, 512)
-    return torch.cat([nope, torch.randn(nope.shape[0], 64).to(torch.bfloat16)], 1)
 
 
 def test_fp8_rounding_of_every_bf16_value():

@@ -32,8 +32,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
-import sglang_hicache_harness as HC  # noqa: E402
-import sglang_model_harness as H  # noqa: E402
+from helpers import sglang_hicache_harness as HC  # noqa: E402
+from helpers import sglang_model_harness as H  # noqa: E402
 from sglang_nsa_cp.comm import run_ranks  # noqa: E402
 
 register_cpu_ci(est_time=80, suite="nsa-cp-test-cpu")

@@ -14,8 +14,8 @@ import dataclasses
 import os
 from unittest import mock
 
-import sglang_cpu_stand_ins as stand_ins
-import sglang_model_harness as harness
+from helpers import sglang_cpu_stand_ins as stand_ins
+from helpers import sglang_model_harness as harness
 import torch
 
 PAGE = harness.PAGE

@@ -23,7 +23,7 @@ import os
 import threading
 from unittest import mock
 
-import sglang_cpu_stand_ins as stand_ins
+from helpers import sglang_cpu_stand_ins as stand_ins
 import torch
 
 PAGE = 64
