@@ -119,8 +119,9 @@ def _read_stack(path: Path) -> str:
 
 
 def _collect_dead(procs, outcomes: dict, stack_paths: list[Path]) -> list[int]:
-    """Record, as failed, each rank that exited without reporting this call's outcome."""
-    dead = [r for r, p in enumerate(procs) if r not in outcomes and p.exitcode is not None]
+    """Record, as failed, each rank that exited with an error without reporting one (a rank
+    leaves with code 0 only after its report is flushed: that report is still to be read)."""
+    dead = [r for r, p in enumerate(procs) if r not in outcomes and p.exitcode not in (None, 0)]
     for r in dead:
         stack = _read_stack(stack_paths[r])
         outcomes[r] = ("error", f"process exited with code {procs[r].exitcode}\n{stack}".strip())
