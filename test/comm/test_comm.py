@@ -13,6 +13,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 from sglang_nsa_cp.comm import (
     RankFailure,
+    RankPool,
     TrafficCounter,
     all_gather_rerange,
     all_gather_rows,
@@ -146,6 +147,41 @@ def test_a_timeout_names_the_rank_and_dumps_its_stack():
     assert "rank 0/2 failed: did not finish within 40 s" in text, text
     assert "_wait_forever_on_rank_zero" in text, f"rank 0's stack was not dumped: {text}"
     assert "rank 1/2" not in text, f"rank 1 finished and must not be blamed: {text}"
+
+
+def _pid(rank, world, group):
+    return os.getpid()
+
+
+def _fail_on(rank, world, group, bad_rank):
+    if rank == bad_rank:
+        raise ValueError(f"boom on rank {rank}")
+    return os.getpid()
+
+
+def _sum_of_ranks(rank, world, group):
+    total = torch.tensor([rank])
+    torch.distributed.all_reduce(total, group=group)
+    return int(total)
+
+
+def test_a_pool_keeps_its_ranks_and_replaces_only_the_failed_one_without_a_group():
+    with RankPool(3, backend=None, timeout_s=60) as pool:
+        first = pool.run(_pid)
+        assert pool.run(_pid) == first, "the same processes must serve the next call"
+        with pytest.raises(RankFailure, match=r"rank 1/3 failed:\nTraceback[\s\S]*boom on rank 1"):
+            pool.run(_fail_on, args=(1,))
+        after = pool.run(_pid)
+        assert (after[0], after[2]) == (first[0], first[2]) and after[1] != first[1], (first, after)
+
+
+def test_a_pool_with_a_group_restarts_every_rank_after_a_failure():
+    with RankPool(2, timeout_s=60) as pool:
+        first = pool.run(_pid)
+        with pytest.raises(RankFailure, match=r"rank 0/2 failed:\nTraceback[\s\S]*boom on rank 0"):
+            pool.run(_fail_on, args=(0,))
+        assert not set(pool.run(_pid)) & set(first), "a broken group must not be reused"
+        assert pool.run(_sum_of_ranks) == [1, 1], "the fresh ranks share a working group"
 
 
 def test_rows_beyond_the_bound_are_refused():

@@ -11,7 +11,8 @@ runs many short calls (spawning a rank and importing torch costs seconds; a call
                                     threads' stacks), raise naming each rank and its stack
 
 One `RankFailure` carries a "rank r/N failed:" block per rank that failed, died or timed out.
-After a failure a pool's ranks are gone; its next call starts fresh ones.
+After a failure a pool's next call starts fresh ranks in place of the stopped ones: all of them
+when they share a process group (it is broken), else only those whose call did not succeed.
 """
 
 from __future__ import annotations
@@ -145,7 +146,9 @@ class RankPool:
     with `run_ranks`' failure rules. A rank may keep state between calls in module globals.
 
     backend: "gloo" or "nccl" joins the ranks in a torch.distributed group (`group`); None gives
-    independent ranks (`group` is None). Use as a context manager, or call close().
+    independent ranks (`group` is None): a failure then restarts only the ranks whose call did
+    not succeed, when each of them has exited (a rank that died, or raised and left); the others
+    keep their state. Use as a context manager, or call close().
     """
 
     def __init__(self, world_size: int, backend: str | None = "gloo", timeout_s: float = 120.0):
@@ -167,31 +170,39 @@ class RankPool:
         self._tmp = tempfile.TemporaryDirectory(prefix="run_ranks_")
         self._stack_paths = [Path(self._tmp.name) / f"rank{r}.stack" for r in range(self.world_size)]
         self._results = self._ctx.Queue()
-        self._calls = [self._ctx.Queue() for _ in range(self.world_size)]
-        port = free_port()
-        self._procs = [
-            self._ctx.Process(
+        self._port = free_port()
+        self._calls, self._procs = [None] * self.world_size, [None] * self.world_size
+        self._respawn(range(self.world_size))
+
+    def _respawn(self, ranks) -> None:
+        """Start `ranks` afresh (new call queues), sharing the pool's results queue."""
+        for r in ranks:
+            self._calls[r] = self._ctx.Queue()
+            worker_args = (r, self.world_size, self._port, self.backend, self.timeout_s)
+            self._procs[r] = self._ctx.Process(
                 target=_worker,
-                args=(
-                    r,
-                    self.world_size,
-                    port,
-                    self.backend,
-                    self.timeout_s,
-                    str(self._stack_paths[r]),
-                    self._calls[r],
-                    self._results,
-                ),
+                args=(*worker_args, str(self._stack_paths[r]), self._calls[r], self._results),
                 daemon=True,
             )
-            for r in range(self.world_size)
-        ]
-        _start(self._procs)
+        _start([self._procs[r] for r in ranks])
+
+    def _recover(self, outcomes: dict) -> None:
+        """After a failed call: restart only the ranks whose call did not succeed, when the ranks
+        share no group and each of those has exited by itself; else stop every rank."""
+        lost = [r for r in range(self.world_size) if outcomes.get(r, ("",))[0] != "ok"]
+        if self.backend is None:
+            for r in lost:
+                if outcomes.get(r, ("",))[0] == "error":
+                    self._procs[r].join(timeout=5)  # it reported and is leaving
+            if all(self._procs[r].exitcode is not None for r in lost):
+                self._respawn(lost)
+                return
+        self.close(finished=False)
 
     def run(self, fn: Callable[..., Any], args: tuple = (), timeout_s: float | None = None) -> list[Any]:
         """Call `fn(rank, world_size, group, *args)` on every rank; `fn` and its results must be
-        picklable. Raises RankFailure (and stops every rank) when one raises, dies or runs past
-        `timeout_s` (the pool's by default)."""
+        picklable. Raises RankFailure (and stops the ranks, see the class) when one raises, dies
+        or runs past `timeout_s` (the pool's by default)."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if not self._procs:
             self._spawn()
@@ -225,7 +236,7 @@ class RankPool:
         failed = {r: text for r, (status, text) in outcomes.items() if status == "error"}
         if not failed and not timed_out and len(outcomes) == n:
             return [outcomes[r][1] for r in range(n)]
-        self.close(finished=False)
+        self._recover(outcomes)
         blocks = [f"rank {r}/{n} failed:\n{text}" for r, text in sorted(failed.items())]
         blocks += [
             f"rank {r}/{n} failed: did not finish within {timeout_s:.0f} s; its stacks:\n{s}"
