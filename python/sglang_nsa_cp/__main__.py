@@ -6,7 +6,7 @@ model, and reports whether the oracle holds, the KV each rank holds for these re
 use that it persists) next to the pool it allocated, and bytes moved per collective. Options are
 checked before any work (`demo_options`): a bad one ends the command with one line and status 2.
 
-With `--pd` it then runs PD disaggregation end to end (`sglang_nsa_cp.pd`): the shared-KV prefill
+With `--pd` it then runs PD disaggregation end to end (`sglang_nsa_cp.pd.demo`): the shared-KV prefill
 ranks send the pages they own of each finished request to a decode process (this one) over
 Mooncake, which decodes a few tokens greedily from that KV; it reports the bytes and transfers
 per prefill rank against rank 0 sending every page (today's SGLang default), and whether the
@@ -181,7 +181,7 @@ def demo(opts: DemoOptions) -> int:
     full["wall_seconds"] = time.perf_counter() - start
     _print_report(full)
     if opts.pd:
-        from sglang_nsa_cp.pd import run_pd
+        from sglang_nsa_cp.pd.demo import run_pd
 
         full["oracle_ok"] = full["ok"]
         full["pd"] = run_pd(scenario, decode_steps=opts.decode_steps)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from sglang_nsa_cp.cli import parse_comma_list
 from sglang_nsa_cp.oracle import DTYPES, PATH_SPLIT_MODES
-from sglang_nsa_cp.pd import DEFAULT_DECODE_STEPS
+from sglang_nsa_cp.pd.demo import DEFAULT_DECODE_STEPS
 from sglang_nsa_cp.reference.config import CONFIGS
 
 # Bounds that keep a CPU demo a demo: every rank is a process, every pool is allocated up front.

@@ -1,4 +1,4 @@
-"""PD disaggregation end to end with the reference model (sglang_nsa_cp.pd), CPU only.
+"""PD disaggregation end to end with the reference model (sglang_nsa_cp.pd.demo), CPU only.
 
 Shared-KV CP prefill ranks (spawned, gloo) send the pages they own of each finished request over
 Mooncake TCP to a decode pool in this process, which decodes greedily from it. Checked against
@@ -20,7 +20,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 from sglang_nsa_cp.layout import OwnerClassedAllocator
 from sglang_nsa_cp.oracle import Scenario
-from sglang_nsa_cp.pd import DecodeKV, run_pd
+from sglang_nsa_cp.pd.demo import DecodeKV, run_pd
 from sglang_nsa_cp.shared_kv import KVStore
 
 register_cpu_ci(est_time=231, suite="nsa-cp-test-cpu")

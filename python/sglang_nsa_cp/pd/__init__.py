@@ -9,13 +9,13 @@
     engine.py     Mooncake's TransferEngine, and the batch of (src, dst, length) entries
     status.py     what receiver.poll() returns; the decode's counters
 
-Only the demo, its tests and `benchmark/bench_pd_transfer.py` use this transport. The plan of
+Only the demo, its tests and `benchmark/bench_pd_transfer.py` use this transport. This package
+exports the transport; the demo (model, kernels, oracle) is imported from `pd.demo` when wanted. The plan of
 owned pages, the manifest structure, the commit rule, checksums and the PD secret are
 `sglang_nsa_cp.disagg`, which the SGLang plugin shares (it rides SGLang's own Mooncake transfer).
 Needs pyzmq, msgspec and Mooncake, imported only here. See docs/disagg.md.
 """
 
-from sglang_nsa_cp.pd.demo import DEFAULT_DECODE_STEPS, DecodeKV, decode_step_pd, prefill_rank, run_pd
 from sglang_nsa_cp.pd.engine import EngineConfig, MooncakeEngine, TransferBatch, TransferError, build_transfer_batch
 from sglang_nsa_cp.pd.protocol import Manifest, ProtocolError, new_nonce
 from sglang_nsa_cp.pd.receiver import OwnedPageReceiver
@@ -23,9 +23,7 @@ from sglang_nsa_cp.pd.sender import OwnedPageSender, SendResult, SenderStats
 from sglang_nsa_cp.pd.status import Committed, Failed, Pending, RankStats, ReceiverStats
 
 __all__ = [
-    "DEFAULT_DECODE_STEPS",
     "Committed",
-    "DecodeKV",
     "EngineConfig",
     "Failed",
     "Manifest",
@@ -41,8 +39,5 @@ __all__ = [
     "TransferBatch",
     "TransferError",
     "build_transfer_batch",
-    "decode_step_pd",
     "new_nonce",
-    "prefill_rank",
-    "run_pd",
 ]
