@@ -6,7 +6,7 @@ runs many short calls (spawning a rank and importing torch costs seconds; a call
     parent ── spawn ──> rank 0 ─┐   each rank: init the group once, then run every call it gets
            ── spawn ──> rank 1 ─┼─ results queue: ("ok", result) or ("error", traceback)
            ── spawn ──> rank 2 ─┘   + a stack file per rank (faulthandler)
-    first "error" or dead rank   -> stop every rank, raise with that rank's traceback
+    first "error" or dead rank   -> stop every rank still working, raise with that rank's traceback
     deadline passed              -> SIGUSR1 to every live rank (faulthandler dumps all its
                                     threads' stacks), raise naming each rank and its stack
 
