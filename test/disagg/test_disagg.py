@@ -45,7 +45,7 @@ from sglang_nsa_cp.pd import (
     new_nonce,
 )
 
-register_cpu_ci(est_time=30, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=50, suite="nsa-cp-test-cpu")
 
 pytestmark = pytest.mark.timeout(120)
 

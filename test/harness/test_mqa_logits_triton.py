@@ -18,11 +18,9 @@ from sglang.test.ci.ci_register import register_cuda_ci  # noqa: E402
 
 register_cuda_ci(est_time=23, suite="nsa-cp-test-1-gpu-h200")
 
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
-triton = pytest.importorskip("triton")
-if triton.knobs.runtime.interpret:
-    pytest.skip("GPU kernel tests need TRITON_INTERPRET=0", allow_module_level=True)
+from helpers.gpu_only import skip_unless_compiled_triton_on_cuda  # noqa: E402
+
+skip_unless_compiled_triton_on_cuda()
 
 from helpers.mqa_logits_triton import fp8_mqa_logits  # noqa: E402
 

@@ -1,10 +1,28 @@
 """Byte-exact checks shared by the CPU and GPU kernel tests (test/kernels/): outputs are
 poisoned with POISON before a kernel runs, so a row it should have written but did not differs."""
 
+import os
+
 import pytest
 import torch
 
+from sglang_nsa_cp.envs import envs
+
 POISON = 0xAB
+
+
+def seed_torch() -> int:
+    """Seed torch from SGLANG_NSA_CP_TEST_SEED, or at random; the seed is returned so a failing
+    test's parameters name it and the run can be repeated."""
+    value = envs.SGLANG_NSA_CP_TEST_SEED.get() or int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(value)
+    return value
+
+
+def random_rows(rows: int, dtype: torch.dtype, width: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """Random bytes of every pattern (NaN bit patterns included: rows are moved as bytes)."""
+    nbytes = width * torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (rows, nbytes), dtype=torch.uint8, device=device).view(dtype)
 
 
 def assert_bytes_equal(name: str, got: torch.Tensor, want: torch.Tensor) -> None:

@@ -35,10 +35,9 @@ pytestmark = pytest.mark.skipif(
 from triton.errors import TritonError  # noqa: E402
 
 from sglang_nsa_cp import kernels  # noqa: E402
-from sglang_nsa_cp.envs import envs  # noqa: E402
 from sglang_nsa_cp.kernels import copy_rows, formats, index_k_store, mla_fp8_store  # noqa: E402
 
-from helpers.kernel_bytes import POISON, assert_bytes_equal, every_bf16_block_value  # noqa: E402
+from helpers.kernel_bytes import POISON, assert_bytes_equal, every_bf16_block_value, random_rows, seed_torch  # noqa: E402
 
 # (name, dtype, elements per row): the row kinds of the shared-KV path, plus widths that force
 # 1- and 2-byte words and a strided source.
@@ -54,15 +53,7 @@ ROW_KINDS = [
 
 @pytest.fixture
 def seed() -> int:
-    value = envs.SGLANG_NSA_CP_TEST_SEED.get() or int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(value)
-    return value
-
-
-def random_rows(rows: int, dtype: torch.dtype, width: int) -> torch.Tensor:
-    """Random bytes of every pattern (NaN bit patterns included: rows are moved as bytes)."""
-    nbytes = width * torch.empty((), dtype=dtype).element_size()
-    return torch.randint(0, 256, (rows, nbytes), dtype=torch.uint8).view(dtype)
+    return seed_torch()
 
 
 def poisoned(rows: int, dtype: torch.dtype, width: int) -> torch.Tensor:

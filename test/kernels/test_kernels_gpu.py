@@ -24,17 +24,15 @@ from sglang.test.ci.ci_register import register_cuda_ci  # noqa: E402
 
 register_cuda_ci(est_time=95, suite="nsa-cp-test-1-gpu-h200")
 
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
-triton = pytest.importorskip("triton")
-if triton.knobs.runtime.interpret:
-    pytest.skip("GPU kernel tests need TRITON_INTERPRET=0", allow_module_level=True)
+from helpers.gpu_only import skip_unless_compiled_triton_on_cuda  # noqa: E402
+
+skip_unless_compiled_triton_on_cuda()
 
 from sglang_nsa_cp import kernels  # noqa: E402
-from sglang_nsa_cp.envs import envs  # noqa: E402
 from sglang_nsa_cp.kernels import copy_rows, formats, index_k_store, mla_fp8_store  # noqa: E402
 
-from helpers.kernel_bytes import POISON, assert_bytes_equal, every_bf16_block_value  # noqa: E402
+from helpers import kernel_bytes  # noqa: E402
+from helpers.kernel_bytes import POISON, assert_bytes_equal, every_bf16_block_value, seed_torch  # noqa: E402
 
 DEV = torch.device("cuda")
 PAGE = 64
@@ -60,14 +58,11 @@ def fp8_store(request):
 
 @pytest.fixture
 def seed() -> int:
-    value = envs.SGLANG_NSA_CP_TEST_SEED.get() or int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(value)
-    return value
+    return seed_torch()
 
 
 def random_rows(rows: int, dtype: torch.dtype, width: int) -> torch.Tensor:
-    nbytes = width * torch.empty((), dtype=dtype).element_size()
-    return torch.randint(0, 256, (rows, nbytes), dtype=torch.uint8, device=DEV).view(dtype)
+    return kernel_bytes.random_rows(rows, dtype, width, DEV)
 
 
 def poisoned(rows: int, dtype: torch.dtype, width: int) -> torch.Tensor:
