@@ -158,7 +158,11 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
     # ---- storage: the rank's KVStore shard, seen through SGLang's buffer attributes -------------
     @property
     def num_logical_pages(self) -> int:
-        return self.size // self.page_size + 1  # SGLang's pool rows are size + page_size
+        """SGLang's pool rows (size + page_size) rounded up to whole rows of N pages: SGLang's
+        owner-classed allocator (HiCache) hands out pages up to the end of its last row. The
+        local pages are the same either way."""
+        pages = self.size // self.page_size + 1
+        return self.cp_size * -(-pages // self.cp_size)
 
     def _alloc_context(self):
         return torch.cuda.use_mem_pool(self.custom_mem_pool) if self.custom_mem_pool else nullcontext()
