@@ -45,8 +45,9 @@ start-up for one context of history plus one chunk and grown if a batch needs mo
 
 For SGLang's owner-sharded HiCache host tier the pool carries `placement` (SGLang's arithmetic for
 the same layout) and `host_capacity_tokens` (the rank's rows, which size its host pool), and its
-history gather waits for a layer's host load (`layer_transfer_counter`). The start-up check still
-refuses HiCache: the owner-classed allocator it also needs is not built (docs/sglang_plugin.md).
+history gather waits for a layer's host load (`layer_transfer_counter`). With HiCache the plugin
+builds SGLang's owner-classed allocator over this pool (`kv_cache_configurator.build_allocator`),
+which hands out logical pages up to the end of its last row of N: `num_logical_pages` covers them.
 """
 
 from __future__ import annotations
