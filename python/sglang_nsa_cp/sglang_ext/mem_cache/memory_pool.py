@@ -136,7 +136,7 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
         logger.info(
             "Shared-KV DSA pool: CP rank %d/%d stores %d of %d logical pages (+1 trash page) per layer; "
             "dense scratch %.1f MiB for %d pages (two layers); prefetch %s",
-            cp_rank, cp_size, self.store.local_pages - 1, self.num_logical_pages,
+            cp_rank, cp_size, self.store.local_pages - 1, self.size // self.page_size + 1,  # SGLang's pages
             self.prefetcher.scratch_bytes() / 2**20, scratch_pages, "on" if self.prefetcher.enabled else "off",
         )  # fmt: skip
 
