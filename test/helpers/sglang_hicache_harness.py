@@ -10,8 +10,10 @@ the latent host pool in a `PageInterleaveHostPool` for a page-interleaved device
 `load` / `start_loading` (owner-matched host slots, `owned_rows` narrowing, `alloc_cyclic`
 load-back) and `PageInterleavePoolAllocator`.
 
-Two stand-ins, both for CUDA-only code with no CPU path in SGLang:
+Stand-ins, all for CUDA-only code with no CPU path in SGLang:
 - `cudaHostRegister` (page-locking the host buffers): a no-op; the buffers are the same.
+- `torch.cpu.Stream.synchronize` (SGLang's L2 transfer engine syncs its stream when a transfer
+  raises): a no-op; CPU copies are complete when they return.
 - `sgl_kernel.kvcacheio.transfer_kv_per_layer_mla` / `transfer_kv_all_layer_mla` (only imported
   under CUDA/ROCm/XPU): copy `item_size`-byte items `dst[dst_indices] = src[src_indices]`, per layer;
   the all-layer variant takes tables of data pointers, resolved here to the tensors they point at.
@@ -63,7 +65,17 @@ def _items(t: torch.Tensor, item_size: int) -> torch.Tensor:
     return t.view(torch.uint8).reshape(-1, item_size)
 
 
+# A fault to inject: after this many more per-layer copies (a load moves each layer's latent rows,
+# then its index pages, one call each), the next one raises. None: no fault.
+FAULT = {"per_layer_copies_left": None}
+
+
 def transfer_kv_per_layer_mla(src, dst, src_indices, dst_indices, item_size):
+    left = FAULT["per_layer_copies_left"]
+    if left is not None:
+        if left == 0:
+            raise RuntimeError("injected host-to-device transfer failure")
+        FAULT["per_layer_copies_left"] = left - 1
     _items(dst, item_size)[dst_indices.long()] = _items(src, item_size)[src_indices.long()]
 
 
@@ -79,6 +91,8 @@ def _install_transfer_stand_ins():
     import sglang.srt.mem_cache.pool_host.mla as host_mla
 
     host_common._cuda_host_register = lambda *a, **k: None
+    if not hasattr(torch.cpu.Stream, "synchronize"):  # SGLang's L2 engine syncs its stream on a failed transfer
+        torch.cpu.Stream.synchronize = lambda self: None  # CPU work is already complete when it returns
     for module in (host_mla, host_dsa):
         module.transfer_kv_per_layer_mla = transfer_kv_per_layer_mla
         module.transfer_kv_all_layer_mla = transfer_kv_all_layer_mla
@@ -281,3 +295,195 @@ def round_trip(group, n, num_pages, seed=0):
         replicated_host_nbytes=replicated.host_nbytes(),
         host_shapes=[[tuple(b.shape) for b in t.host_buffers()] for t in shared + [replicated]],
     )  # fmt: skip
+
+
+# ---- a model forward over a prefix evicted to host and loaded back ---------------------------------
+
+
+class AllocatorRequests:
+    """`req_to_token` rows filled by SGLang's allocator (`alloc_extend`), the interface of
+    `paged_requests.PagedRequests` that `sglang_model_harness.Engine.forward_batch` calls. With the
+    owner-classed allocator each request carries its chain's rotation base, as SGLang's
+    `_kv_shard_rotation_bases` reads it from the radix node (None: a new chain, least-full class)."""
+
+    def __init__(self, req_to_token: torch.Tensor, allocator):
+        from sglang.srt.mem_cache.allocator.page_interleave import page_interleave_shard_size
+
+        self.req_to_token, self.allocator = req_to_token, allocator
+        self.shard_size = page_interleave_shard_size(allocator)
+        self.lens: dict[int, int] = {}
+        self.bases: dict[int, int | None] = {}
+
+    def adopt(self, idx: int, slots: torch.Tensor) -> None:
+        """A radix hit: request `idx` starts with cached `slots` (whole pages)."""
+        self.req_to_token[idx, : len(slots)] = slots.to(self.req_to_token.dtype)
+        self.lens[idx] = len(slots)
+        if self.shard_size > 1:  # the chain's base: the owner of its first page
+            self.bases[idx] = int(slots[0]) // PAGE % self.shard_size
+
+    def slots(self, idx: int) -> torch.Tensor:
+        return self.req_to_token[idx, : self.lens[idx]].long()
+
+    def extend(self, batch):
+        prefix = [self.lens.get(idx, 0) for idx, _ in batch]
+        seq = [p + n for p, (_, n) in zip(prefix, batch)]
+        last = [int(self.req_to_token[idx, p - 1]) if p else -1 for (idx, _), p in zip(batch, prefix)]
+        t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+        kw = {}
+        if self.shard_size > 1:
+            kw["rotation_bases"] = [self.bases.get(idx) for idx, _ in batch]
+        loc = self.allocator.alloc_extend(t(prefix), t(prefix), t(seq), t(seq), t(last), sum(seq) - sum(prefix), **kw)
+        assert loc is not None, "device pool full"
+        start = 0
+        for i, ((idx, n), p) in enumerate(zip(batch, prefix)):
+            self.req_to_token[idx, p : p + n] = loc[start : start + n].to(self.req_to_token.dtype)
+            self.lens[idx] = p + n
+            if self.shard_size > 1:
+                self.bases[idx] = kw["rotation_bases"][i]  # resolved in place for new chains
+            start += n
+        return prefix, seq, loc
+
+    def release(self, idx: int, shared_tokens: int = 0) -> None:
+        """The request finished and its pages were evicted from the device: free them, but for its
+        first `shared_tokens`, which another request (a radix node) still holds."""
+        self.allocator.free(self.slots(idx)[shared_tokens:])
+        self.lens.pop(idx)
+
+
+CACHED_PAGES = 3  # request 0's prefix that goes to host and comes back
+FORWARD_POOL_PAGES = 24  # logical device pages (a multiple of every N used)
+
+
+def _hicache_engine(mode, rank, world, model_path):
+    """A rank's model, pool and allocator as the plugin's hooks build them (shared: the pool of
+    logical size, SGLang's owner-classed allocator over the per-rank count) or as SGLang does
+    (off, replicated: `DSATokenToKVPool` and its stock paged allocator), plus its HiCache tier."""
+    from helpers import sglang_model_harness as H
+    from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.runtime_context import get_parallel
+
+    cp = 1 if mode == "off" else world
+    sa = H.setup_process(
+        rank, world, model_path, cp, enable_hierarchical_cache=True, hicache_io_backend="kernel",
+        hicache_mem_layout="layer_first", hicache_ratio=2,
+    )  # fmt: skip
+    _install_transfer_stand_ins()
+    if mode == "shared":
+        from sglang.srt.plugins import load_plugins
+
+        from sglang_nsa_cp.sglang_ext.server_args import ATTR
+
+        load_plugins()
+        setattr(sa, ATTR, True)
+    mc, model = H.build_model(sa)
+    cp_group = get_parallel().attn_cp_group.device_group if mode == "shared" else None
+    engine = H.Engine(sa, mc, model, pool_pages=FORWARD_POOL_PAGES, cp_group=cp_group)
+    size = FORWARD_POOL_PAGES * PAGE
+    if mode == "shared":
+        engine.pool.prefetcher.min_pages_per_rank = 1
+        allocator = PageInterleavePoolAllocator(
+            size // cp, physical_page_size=PAGE, shard_size=cp, dtype=torch.bfloat16, device="cpu",
+            kvcache=engine.pool, need_sort=True, shard_spec=None,
+        )  # fmt: skip
+        assert allocator.size == engine.pool.size, "the allocator must widen to the pool's logical size"
+    else:
+        allocator = PagedTokenToKVPoolAllocator(
+            size, page_size=PAGE, dtype=torch.bfloat16, device="cpu", kvcache=engine.pool, need_sort=True
+        )
+    tier = Tier(engine.pool, allocator)
+    engine.pool.register_layer_transfer_counter(tier.controller.layer_done_counter)  # as the scheduler does
+    engine.requests = AllocatorRequests(engine.req_to_token, allocator)
+    return engine, tier
+
+
+def _poison(pool, pages):
+    """0xFF (NaN latent rows) over `pages` in the rows of them this rank holds."""
+    for page in pages:
+        if _owner(pool, page) != getattr(pool, "cp_rank", 0):
+            continue
+        for layer in range(LAYERS):
+            pool.kv_buffer[layer][_local_rows(pool, page)].view(torch.uint8).fill_(0xFF)
+            pool.index_k_with_scale_buffer[layer][_local_page(pool, page)] = 0xFF
+
+
+def _free_pages(allocator) -> int:
+    """Free pages (the owner-classed allocator's `available_size` is its least-free class x N)."""
+    if hasattr(allocator, "class_free_page_counts"):
+        return sum(allocator.class_free_page_counts())
+    return allocator.available_size() // PAGE
+
+
+def evict_and_load_back(rank, world, group, model_path, mode):
+    """Request 0 is prefilled; its first CACHED_PAGES pages are written to host (SGLang's
+    `HybridCacheController.write`, as `UnifiedRadixCache` backs up a node) and evicted from the
+    device (freed); request 2 then reuses the freed pages; the pages are loaded back into fresh
+    device pages (`load`, `start_loading`: the owner-classed `alloc_cyclic` under shared KV) and
+    request 3 extends the loaded prefix. Request 4 extends the same prefix from request 0's
+    original pages before the eviction (the control). Returns logits, pages and host bytes."""
+    from helpers import sglang_model_harness as H
+    from sglang.srt.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    engine, tier = _hicache_engine(mode, rank, world, model_path)
+    for t in tier.host_buffers():
+        t.zero_()  # host rows a transfer never wrote stay zero
+    reqs, toks = engine.requests, H.token_ids()
+    cached = CACHED_PAGES * PAGE
+    toks[3] = toks[4] = torch.cat([toks[0][:cached], toks[3][cached:]])  # request 0's prefix, then new tokens
+    free_at_start = _free_pages(tier.allocator)
+    logits = {}
+    logits["first"] = engine.run(engine.forward_batch([(0, cached + 10), (1, PAGE)], toks))
+    prefix = reqs.slots(0)[:cached].clone()
+    reqs.adopt(4, prefix)
+    logits["control"] = engine.run(engine.forward_batch([(4, 40)], toks))
+    reqs.release(4, shared_tokens=cached)  # the prefix stays with request 0
+
+    start_owner = int(tier.pool.placement.owner_of(prefix[:1])) if mode == "shared" else None
+    host = tier.write_back(prefix, start_owner=start_owner)
+    reqs.release(0)  # evicted: its device pages go back to the allocator
+    _poison(tier.pool, _pages(prefix))  # as if reused: a read of the evicted pages gives NaN logits
+    # other requests run meanwhile; request 1 continues from a whole page (owner-classed extends start on one)
+    logits["reuse"] = engine.run(engine.forward_batch([(2, H.MAX_TOKENS), (1, 5)], toks))
+
+    loaded = tier.controller.load(host, node_id=1, extra_pools=tier._sidecar_transfers())
+    assert loaded is not None, "device pool full"
+    tier.controller.layer_done_counter.set_consumer(tier.controller.start_loading())
+    reqs.adopt(3, loaded)
+    logits["loaded"] = engine.run(engine.forward_batch([(3, 40)], toks))  # the control's batch, loaded prefix
+    for idx in (1, 2, 3):
+        reqs.release(idx)
+    leaked = free_at_start - _free_pages(tier.allocator)
+    failed_load = _load_failing_half_way(tier, host)
+    out = dict(
+        logits=logits, prefix=_pages(prefix), host=_pages(host), loaded=_pages(loaded), pages_leaked=leaked,
+        failed_load=failed_load, host_nbytes=tier.host_nbytes(),
+        host_shapes=[tuple(b.shape) for b in tier.host_buffers()], host_pages_written=_host_pages_written(tier),
+    )  # fmt: skip
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    return out
+
+
+def _load_failing_half_way(tier, host_slots) -> dict:
+    """Load the prefix again with the copy failing after its first layer's latent rows: what
+    `start_loading` (SGLang's scheduler calls it before the batch's forward) does with the error."""
+    acks = len(tier.controller.ack_load_queue)
+    assert tier.controller.load(host_slots, node_id=2, extra_pools=tier._sidecar_transfers()) is not None
+    FAULT["per_layer_copies_left"] = 1
+    try:
+        tier.controller.start_loading()
+        raised = None
+    except RuntimeError as e:
+        raised = str(e)
+    finally:
+        FAULT["per_layer_copies_left"] = None
+    return dict(
+        raised=raised, new_acks=len(tier.controller.ack_load_queue) - acks, queued=len(tier.controller.load_queue)
+    )
+
+
+def _host_pages_written(tier) -> int:
+    """Host latent pages (any layer) holding data: written by a back-up."""
+    kv = tier.host_buffers()[0]  # [layers, rows, 1, 576]
+    pages = kv.view(torch.uint8).reshape(kv.shape[0], -1, PAGE * kv.shape[-1] * kv.element_size())
+    return int((pages != 0).any(-1).any(0).sum())

@@ -95,9 +95,12 @@ def write_checkpoint(path: str, cfg: dict = TINY_V32, seed: int = 0, tensors=ran
 # ---- process setup ---------------------------------------------------------------------------------
 
 
-def setup_process(rank: int, world: int, model_path: str, cp_size: int, kv_cache_dtype: str = "bfloat16"):
+def setup_process(
+    rank: int, world: int, model_path: str, cp_size: int, kv_cache_dtype: str = "bfloat16", **server_args
+):
     """Publish ServerArgs, build SGLang's process groups (gloo) and the model with random weights.
-    `kv_cache_dtype` "fp8_e4m3": SGLang's fp8 DSA pool (656-byte FlashMLA rows)."""
+    `kv_cache_dtype` "fp8_e4m3": SGLang's fp8 DSA pool (656-byte FlashMLA rows); `server_args`:
+    more ServerArgs fields (HiCache's, for instance)."""
     for k, v in ENV.items():
         os.environ[k] = v
     stand_ins.install_process_stand_ins()
@@ -110,7 +113,7 @@ def setup_process(rank: int, world: int, model_path: str, cp_size: int, kv_cache
               skip_tokenizer_init=True, tp_size=world, moe_dense_tp_size=1)  # fmt: skip
     if cp_size > 1:
         kw.update(enable_prefill_cp=True, cp_strategy="interleave", attn_cp_size=cp_size)
-    sa = ServerArgs(**kw)
+    sa = ServerArgs(**kw, **server_args)
     reset_context()
     with mock.patch("torch.cuda.get_device_capability", lambda *a, **k: stand_ins.SM90):  # resolution reads the SM
         publish(sa, role="test", ranks=SpawnRanks(world_rank=rank))
@@ -293,7 +296,7 @@ def _replicated_pool_from_owners(engine):
         index_head_dim=128, enable_memory_saver=False, kv_cache_dim=shared.kv_cache_dim,
     )  # fmt: skip
     local_pages = shared.store.local_pages - 1  # minus the trash page
-    pages = shared.num_logical_pages
+    pages = full.kv_buffer[0].shape[0] // PAGE  # SGLang's pool: size + one page
     for layer in range(shared.layer_num):
         for src, dst in ((shared.store.latent[layer].view(shared.store.local_pages, -1), full.kv_buffer[layer].view(pages, -1)),
                          (shared.store.index[layer], full.index_k_with_scale_buffer[layer])):  # fmt: skip

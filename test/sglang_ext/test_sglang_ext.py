@@ -176,6 +176,29 @@ def test_mtp_speculative_decoding_resolves_enabled(plugin, models, sm90, model, 
     assert resolving_view(server_args).speculative_algorithm == "EAGLE"
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_hicache_resolves_enabled_with_the_python_tree_core(plugin, models, sm90, monkeypatch, layout):
+    """The host tier (kernel I/O) is accepted; like SGLang's own sharding, the plugin picks the
+    Python radix tree core (the one that keeps owner rotation) unless the user chose one."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    from sglang_nsa_cp.sglang_ext.arg_groups.parallel_hook import SharedKVConfigError
+    from sglang_nsa_cp.sglang_ext.server_args import ATTR
+
+    core = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
+    monkeypatch.setenv(core, "unset by the test")  # restored (removed) at teardown
+    monkeypatch.delenv(core)
+    hicache = {"--enable-hierarchical-cache": None, "--hicache-io-backend": "kernel", "--hicache-mem-layout": layout}
+    server_args = _resolve(_argv(models["v32"], hicache))
+    assert getattr(server_args, ATTR) is True
+    cfg = resolving_view(server_args)
+    assert (cfg.enable_hierarchical_cache, cfg.hicache_mem_layout, cfg.hicache_storage_backend) == (True, layout, None)
+    assert os.environ[core] == "python"
+    monkeypatch.setenv(core, "rust")
+    with pytest.raises(SharedKVConfigError, match=f"needs SGLang's Python radix tree core \\(got {core}=rust\\)"):
+        _resolve(_argv(models["v32"], hicache))
+
+
 def test_env_var_enables_it_for_engine_users(plugin, models, sm90, monkeypatch):
     """`sglang.Engine(**kwargs)` builds ServerArgs without the parser: the env var asks instead."""
     from sglang.srt.server_args import ServerArgs
@@ -215,7 +238,40 @@ BAD = [
         "supports --dsa-prefill-backend flashmla_sparse only",
     ),
     ("tilelang", "v32", {"--dsa-prefill-backend": "tilelang"}, "supports --dsa-prefill-backend flashmla_sparse only"),
-    ("HiCache", "v32", {"--enable-hierarchical-cache": None}, "does not support HiCache"),
+    (
+        "HiCache storage tier",
+        "v32",
+        {"--enable-hierarchical-cache": None, "--hicache-storage-backend": "file"},
+        "does not support --hicache-storage-backend",
+    ),
+    (
+        "HiCache buffer-only host",
+        "v32",
+        {  # SGLang itself requires a storage tier for buffer_only
+            "--enable-hierarchical-cache": None,
+            "--hicache-host-memory-mode": "buffer_only",
+            "--hicache-storage-backend": "file",
+        },
+        "needs --hicache-host-memory-mode cache",
+    ),
+    (
+        "HiCache direct I/O",
+        "v32",
+        {"--enable-hierarchical-cache": None, "--hicache-io-backend": "direct", "--hicache-mem-layout": "layer_first"},
+        "needs --hicache-io-backend kernel",
+    ),
+    (
+        "HiCache with MTP",
+        "v32_mtp",
+        {"--enable-hierarchical-cache": None, "--speculative-algorithm": "NEXTN"},
+        "does not support speculative decoding yet",
+    ),
+    (
+        "HiCache, chunks not whole pages",
+        "v32",
+        {"--enable-hierarchical-cache": None, "--chunked-prefill-size": "1000"},
+        "needs chunked prefill in whole pages",
+    ),
     (
         "speculative without MTP layer",
         "glm5",

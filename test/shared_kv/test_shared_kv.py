@@ -345,6 +345,34 @@ def test_plan_places_each_page_once_with_history_owner_major():
     assert plans[0].send_pages.tolist() == [3, -1] and plans[1].send_pages.tolist() == [1, 4]
 
 
+def _gather_with_padding(rank, world, group):
+    from sglang_nsa_cp.shared_kv.materialize import gather_history_pages
+
+    page_table = torch.tensor([[6, 3, 9, 4], [8, -1, -1, -1]])  # the example above: rank 0 sends 3 and padding
+    plan = build_dense_plan(page_table, [9, 0], [15, 3], page_size=4, cp_size=2, rank=rank, num_logical_pages=12)
+    shard = torch.full((6, 8), float(rank + 1))  # [local pages, page row]
+    out = torch.full((plan.num_dense_pages, 8), float("nan"))
+    new_empty = torch.Tensor.new_empty
+    # uninitialized memory, made visible: every new_empty buffer starts as NaN
+    torch.Tensor.new_empty = lambda self, *a, **k: new_empty(self, *a, **k).fill_(float("nan"))
+    try:
+        return gather_history_pages(shard, plan, group, out)[: plan.num_gathered_pages]
+    finally:
+        torch.Tensor.new_empty = new_empty
+
+
+def test_history_gather_sends_zeros_for_padding_pages():
+    """A rank owning fewer history pages than pages_per_rank pads its send with zero pages, not
+    uninitialized memory: those pages land in the dense view, which SGLang's forward reads past
+    the planned pages (its own pool's unused pages are zero); with uninitialized padding, SGLang's
+    DSA forward at CP=3 gave NaN-tainted logits in about half the runs
+    (test_sglang_ext_hicache_forward.py)."""
+    dense = run_ranks(_gather_with_padding, 2, timeout_s=120)
+    for rank, got in enumerate(dense):
+        assert got[[0, 2, 3]].tolist() == [[1.0] * 8, [2.0] * 8, [2.0] * 8], f"{rank=}: {got}"
+        assert torch.equal(got[1], torch.zeros(8)), f"{rank=}: padding page {got[1]}"
+
+
 def test_plan_without_history_gathers_nothing():
     plan = build_dense_plan(torch.tensor([[5, 2]]), [0], [70], page_size=64, cp_size=4, rank=1, num_logical_pages=8)
     assert not plan.has_history and plan.num_gathered_pages == 0 and plan.send_pages.numel() == 0

@@ -23,6 +23,12 @@ Patch ledger (target / why / how / upstream / when it can go):
 - `KVCacheConfigurator._build_dsa_kv_pool` (AROUND) -- mem_cache/kv_cache_configurator.py.
   Why: build the sharded pool instead of `DSATokenToKVPool`, for the target and the MTP draft.
   How: pass our class as `dsa_pool_class`. Both go if SGLang adopts an owner-sharded DSA pool (PRs #29847, #31435, #35309).
+- `KVCacheConfigurator._build_token_to_kv_pool_allocator` (AROUND, HiCache only) --
+  mem_cache/kv_cache_configurator.py. Why: a HiCache load-back must get device pages of the
+  owners its host copies live on; SGLang builds its owner-classed `PageInterleavePoolAllocator`
+  only under its own `--enable-kv-cache-sharding`. How: build it (no `shard_spec`) over our pool;
+  `_derive_pool_sizes` then leaves the count per-rank, since that allocator widens it by N.
+  Goes if SGLang keys the allocator on the pool rather than on its own flag.
 - `sglang.srt.layers.cp.utils.cp_gather_after_forward` (AROUND) -- layers/cp/utils.py. Why: the
   narrow tail gather (N x bs rows instead of every token). How: for batches that need only the
   last tokens, gather those rows with `comm.gather_last_token_hidden`.

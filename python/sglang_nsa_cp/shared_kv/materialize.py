@@ -35,7 +35,10 @@ def gather_history_pages(
     `pages` is one layer's shard viewed as one row per local page; `out` [>= num_gathered_pages,
     page row] of the same dtype. A collective: every rank of `group` calls it in the same order.
     """
-    send = kernels.gather_rows(pages, plan.send_pages, pages.new_empty((plan.pages_per_rank, pages.shape[1])))
+    # Padding pages (-1: this rank owns fewer history pages than another) are sent as zeros: they
+    # land in the dense view, which SGLang's readers may touch past the planned pages, as they
+    # touch a pool's unused (zero) pages; uninitialized memory there can hold NaN.
+    send = kernels.gather_rows(pages, plan.send_pages, pages.new_zeros((plan.pages_per_rank, pages.shape[1])))
     all_gather_rows(send, plan.pages_per_rank, group, counter, kind, out=out[: plan.num_gathered_pages])
     return out
 

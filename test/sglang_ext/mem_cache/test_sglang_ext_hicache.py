@@ -16,9 +16,9 @@ Checked, at N = 2 and N = 3:
 - host bytes per rank, measured from the allocated host tensors, are 1/N of the replicated host
   pool's for the same logical capacity (less SGLang's fixed padding pages).
 
-Not covered here (docs/sglang_plugin.md, section HiCache): the plugin building SGLang's
-owner-classed allocator in a server, a model forward over a loaded-back prefix, and a load that
-fails half-way. The flag stays refused with HiCache until they are.
+A model forward over a loaded-back prefix and a load that fails half-way are in
+test_sglang_ext_hicache_forward.py; the allocator the plugin builds with HiCache in
+test_sglang_ext_pool.py (docs/sglang_plugin.md, section HiCache).
 """
 
 from __future__ import annotations

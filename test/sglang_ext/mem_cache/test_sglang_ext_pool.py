@@ -12,6 +12,7 @@ from contextlib import contextmanager  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from helpers.dsa_pool import KV_DTYPES, LAYERS, PAGE, no_dcp, pool_kwargs  # noqa: E402
@@ -73,13 +74,16 @@ def test_derive_pool_sizes_hook_scales_the_logical_capacity():
     )
     eagle3_draft = SimpleNamespace(**{**vars(mtp_draft), "spec_algorithm": SpeculativeAlgorithm.EAGLE3})
     original = lambda self, *, config: sizes  # noqa: E731
-    with get_parallel().override(attn_cp_size=4):
+    with get_parallel().override(attn_cp_size=4), _hicache(False):
         with envs.SGLANG_NSA_CP_SHARED_KV.override(True):
             assert derive_pool_sizes(original, target, config=None).max_total_num_tokens == 4 * 640
             assert derive_pool_sizes(original, mtp_draft, config=None).max_total_num_tokens == 4 * 640
             assert derive_pool_sizes(original, eagle3_draft, config=None) is sizes
         with envs.SGLANG_NSA_CP_SHARED_KV.override(False):
             assert derive_pool_sizes(original, target, config=None) is sizes
+    # with HiCache the owner-classed allocator widens the per-rank count itself (one widening)
+    with get_parallel().override(attn_cp_size=4), _hicache(True), envs.SGLANG_NSA_CP_SHARED_KV.override(True):
+        assert derive_pool_sizes(original, target, config=None) is sizes
 
 
 def _configurator(context_len=1000, kv="bf16"):
@@ -90,6 +94,18 @@ def _configurator(context_len=1000, kv="bf16"):
     return SimpleNamespace(
         is_draft_worker=False, model_config=model_config, page_size=PAGE, kv_cache_dtype=KV_DTYPES[kv][0]
     )
+
+
+@contextmanager
+def _hicache(on: bool):
+    """`--enable-hierarchical-cache` as the scheduler process sees it (and a PD prefill)."""
+    from unittest import mock
+
+    with (
+        mock.patch("sglang.srt.runtime_context.get_memory", lambda: SimpleNamespace(enable_hierarchical_cache=on)),
+        mock.patch("sglang.srt.runtime_context.get_disagg", lambda: SimpleNamespace(disaggregation_mode="prefill")),
+    ):
+        yield
 
 
 @contextmanager
@@ -116,7 +132,7 @@ def test_build_dsa_kv_pool_hook_builds_the_shared_pool_for_this_cp_rank(kv):
         return dsa_pool_class(**pool_kwargs(max_total_num_tokens, kv))  # what SGLang's builder does
 
     cp_group = SimpleNamespace(device_group="the CP device group")
-    with no_dcp(), envs.SGLANG_NSA_CP_SHARED_KV.override(True), _chunked_prefill(200):
+    with no_dcp(), envs.SGLANG_NSA_CP_SHARED_KV.override(True), _chunked_prefill(200), _hicache(False):
         with get_parallel().override(attn_cp_rank=2, attn_cp_size=4, attn_cp_group=cp_group):
             pool = build_dsa_kv_pool(
                 original,
@@ -151,6 +167,61 @@ def test_build_dsa_kv_pool_hook_builds_the_shared_pool_for_this_cp_rank(kv):
                     lambda self, **kw: DSATokenToKVPool(**pool_kwargs(8 * PAGE)),
                     configurator, max_total_num_tokens=8 * PAGE, max_running_requests=4, dsa_pool_class=DSATokenToKVPool,
                 )  # fmt: skip
+
+
+def test_with_hicache_the_pool_gets_sglangs_owner_classed_allocator_widened_once():
+    """--enable-hierarchical-cache: the per-rank count stays SGLang's, the pool gets the logical
+    size, and SGLang's `PageInterleavePoolAllocator` widens the count to the same logical size,
+    which is what SGLang's scheduler reports (per-rank count x `page_interleave_shard_size`)."""
+    from sglang.srt.mem_cache.allocator.page_interleave import (
+        PageInterleavePoolAllocator,
+        page_interleave_shard_size,
+    )
+    from sglang.srt.mem_cache.kv_cache_configurator import _PoolSizes
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.runtime_context import get_parallel
+
+    from sglang_nsa_cp.envs import envs
+    from sglang_nsa_cp.sglang_ext.mem_cache.kv_cache_configurator import build_allocator, build_dsa_kv_pool
+
+    per_rank = 8 * PAGE
+    configurator = SimpleNamespace(**vars(_configurator()), device="cpu")
+    stock = object()
+
+    def original_allocator(self, **kw):
+        return stock
+
+    def original_pool(self, *, max_total_num_tokens, max_running_requests, dsa_pool_class):
+        return dsa_pool_class(**pool_kwargs(max_total_num_tokens))
+
+    sizes = _PoolSizes(
+        max_total_num_tokens=per_rank, max_running_requests=8, full_max_total_num_tokens=None,
+        swa_max_total_num_tokens=None, c4_max_total_num_tokens=0, c128_max_total_num_tokens=0, c4_state_pool_size=0,
+        c128_state_pool_size=0, c4_state_dtype=None, c128_state_dtype=None,
+    )  # fmt: skip
+    cp = SimpleNamespace(device_group="the CP device group")
+    kw = dict(sizes=sizes, is_dsv4_model=False, req_to_token_pool=None, token_to_kv_pool_allocator=None)
+    with no_dcp(), envs.SGLANG_NSA_CP_SHARED_KV.override(True), _chunked_prefill(200), _hicache(True):
+        with get_parallel().override(attn_cp_rank=1, attn_cp_size=4, attn_cp_group=cp):
+            pool = build_dsa_kv_pool(
+                original_pool, configurator, max_total_num_tokens=per_rank, max_running_requests=4,
+                dsa_pool_class=DSATokenToKVPool,
+            )  # fmt: skip
+            assert pool.size == 4 * per_rank and pool.host_capacity_tokens == per_rank
+            allocator = build_allocator(original_allocator, configurator, token_to_kv_pool=pool, **kw)
+    assert isinstance(allocator, PageInterleavePoolAllocator), type(allocator)
+    assert allocator.size == pool.size, f"allocator {allocator.size} vs pool {pool.size} logical slots"
+    assert (allocator.shard_size, allocator.page_size, allocator.shard_spec) == (4, PAGE, None)
+    assert per_rank * page_interleave_shard_size(allocator) == pool.size  # what the scheduler reports
+    # every page it hands out is a local page the rank's shard holds
+    top = int(torch.cat(allocator.class_free_pages).max())
+    assert top < pool.num_logical_pages, f"logical page {top} past the pool's {pool.num_logical_pages}"
+    assert top // 4 < pool.store.local_pages - 1, f"logical page {top} past the shard's {pool.store.local_pages}"
+    # without HiCache, or without the flag: SGLang's own allocator
+    with envs.SGLANG_NSA_CP_SHARED_KV.override(True), _hicache(False):
+        assert build_allocator(original_allocator, configurator, token_to_kv_pool=pool, **kw) is stock
+    with envs.SGLANG_NSA_CP_SHARED_KV.override(False), _hicache(True):
+        assert build_allocator(original_allocator, configurator, token_to_kv_pool=pool, **kw) is stock
 
 
 @pytest.mark.parametrize("kv", KV_DTYPES)

@@ -190,11 +190,17 @@ def _check_index_views(pool, ref, meta, layer, where):
         )
 
 
+def _sglang_pages(pool) -> int:
+    """Logical pages of SGLang's pool of the same size (rows: size + one page); the shared pool's
+    `num_logical_pages` rounds this up to whole rows of N for the owner-classed allocator."""
+    return pool.size // PAGE + 1
+
+
 def _check_owned_pages(pool, ref, n, rank, where):
     for layer in range(LAYERS):
         latent, index = pool.store.latent[layer], pool.store.index[layer]
         full_latent, full_index = ref.kv_buffer[layer][:, 0], ref.index_k_with_scale_buffer[layer]
-        for page in range(rank, pool.num_logical_pages, n):
+        for page in range(rank, _sglang_pages(ref), n):
             q = page // n
             assert torch.equal(latent[q * PAGE : (q + 1) * PAGE], full_latent[page * PAGE : (page + 1) * PAGE]), (
                 f"{where}: rank {rank} latent page {page} (local {q}), layer {layer}"
@@ -224,7 +230,7 @@ def _run_scenario(rank, n, group, seed, prefetch, kv="bf16"):
         assert pool.prefetcher.enabled == prefetch
         pool.prefetcher.min_pages_per_rank = 1  # these histories are a few pages: prefetch them all the same
         pool.counter = TrafficCounter()
-        reqs = PagedRequests(torch.zeros((8, 512), dtype=torch.int32), pool.num_logical_pages, PAGE, seed)
+        reqs = PagedRequests(torch.zeros((8, 512), dtype=torch.int32), _sglang_pages(ref), PAGE, seed)
         backend = _dsa_backend(pool, reqs.req_to_token)
         local_requests, history, gathers = [], [], []
         mix, mix_forks = _random_mix(seed)

@@ -115,6 +115,66 @@ def _speculative_problems(server_args: Any, cfg: Any) -> list[str]:
     return problems
 
 
+def _tree_core_env():
+    from sglang.srt.environ import envs
+
+    return envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND
+
+
+def _hicache_problems(cfg: Any) -> list[str]:
+    """HiCache runs on SGLang's owner-sharded host tier with its owner-classed allocator
+    (docs/sglang_plugin.md, "HiCache"): what that path supports, as SGLang's own sharding checks it."""
+    hicache = "with --enable-hierarchical-cache"
+    problems = []
+    if cfg.hicache_storage_backend is not None:
+        problems.append(
+            f"{hicache} does not support --hicache-storage-backend (got {cfg.hicache_storage_backend}): SGLang's "
+            "storage path reads and writes whole pages per rank, while each rank holds only the pages it owns; "
+            "drop --hicache-storage-backend (the host tier alone works)"
+        )
+    if cfg.hicache_host_memory_mode != "cache":
+        problems.append(
+            f"{hicache} needs --hicache-host-memory-mode cache (got {cfg.hicache_host_memory_mode}): the "
+            "owner-sharded host tier keeps host copies; use --hicache-host-memory-mode cache"
+        )
+    if cfg.hicache_io_backend != "kernel" or cfg.hicache_mem_layout not in ("layer_first", "page_first"):
+        problems.append(
+            f"{hicache} needs --hicache-io-backend kernel with --hicache-mem-layout layer_first or page_first "
+            f"(got {cfg.hicache_io_backend}, {cfg.hicache_mem_layout}): the owner-sharded transfers move each "
+            "rank's own rows with those kernels; use --hicache-io-backend kernel --hicache-mem-layout layer_first"
+        )
+    if cfg.speculative_algorithm is not None:
+        problems.append(
+            f"{hicache} does not support speculative decoding yet (got --speculative-algorithm "
+            f"{cfg.speculative_algorithm}): the MTP draft's pool is not wired to the owner-classed allocator "
+            "HiCache needs; drop --speculative-algorithm on the prefill instance or drop --enable-hierarchical-cache"
+        )
+    if cfg.radix_cache_backend is not None:
+        problems.append(
+            f"{hicache} needs SGLang's built-in radix cache (got --radix-cache-backend {cfg.radix_cache_backend}): "
+            "owner rotation is kept on its tree nodes; drop --radix-cache-backend"
+        )
+    tree_core = _tree_core_env()
+    if tree_core.is_set() and tree_core.get() != "python":
+        problems.append(
+            f"{hicache} needs SGLang's Python radix tree core (got {tree_core.name}={tree_core.get()}): only it "
+            f"keeps the owner rotation of cached pages; unset {tree_core.name} or set it to python"
+        )
+    if not cfg.chunked_prefill_size or cfg.chunked_prefill_size <= 0 or cfg.chunked_prefill_size % DSA_PAGE_SIZE:
+        problems.append(
+            f"{hicache} needs chunked prefill in whole pages (got --chunked-prefill-size {cfg.chunked_prefill_size}): "
+            f"the owner-classed allocator extends requests page by page; use a multiple of {DSA_PAGE_SIZE}"
+        )
+    for option in ("enable_unified_memory", "enable_flexkv", "enable_streaming_session", "enable_session_radix_cache"):
+        if getattr(cfg, option):
+            flag = "--" + option.replace("_", "-")
+            problems.append(
+                f"{hicache} does not support {flag} (it allocates or tracks pages outside the owner-classed "
+                f"allocator's rotation); drop {flag}"
+            )
+    return problems
+
+
 def find_problems(server_args: Any) -> list[str]:
     """Every reason the resolved arguments cannot run shared-KV prefill CP, each with its fix."""
     cfg = resolving_view(server_args)
@@ -180,12 +240,7 @@ def find_problems(server_args: Any) -> list[str]:
             "on SM100, reads other layouts); use --dsa-prefill-backend flashmla_sparse"
         )
     if cfg.enable_hierarchical_cache:
-        problems.append(
-            "does not support HiCache yet: SGLang shards a host tier by page owner only with its own "
-            "owner-classed allocator (PageInterleavePoolAllocator), which this pool is not built with, so "
-            "a page loaded back would land on a rank that does not hold its host copy (docs/sglang_plugin.md, "
-            "section HiCache); drop --enable-hierarchical-cache"
-        )
+        problems += _hicache_problems(cfg)
     if cfg.enable_hisparse or cfg.enable_lmcache:
         problems.append(
             "does not support HiSparse or LMCache yet (they copy whole pages of the pool, while each rank "
@@ -231,6 +286,10 @@ def validate(server_args: Any) -> None:
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise SharedKVConfigError(f"{FLAG}: {len(problems)} problem(s) with the server arguments:\n{lines}")
+    if resolving_view(server_args).enable_hierarchical_cache and not _tree_core_env().is_set():
+        # As SGLang's own sharding does: its default tree core may be Rust, which keeps no owner
+        # rotation on its nodes. The environment reaches the scheduler processes.
+        _tree_core_env().set("python")
     if not getattr(server_args, ATTR, False):
         # Bookkeeping attributes stay writable during resolution and are pickled to schedulers.
         setattr(server_args, ATTR, True)

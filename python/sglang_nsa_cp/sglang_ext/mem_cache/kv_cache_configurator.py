@@ -17,6 +17,14 @@ an EAGLE/NEXTN draft worker's (the MTP layer's own DSA pool, docs/speculative.md
   (two layers' dense views of one context of history plus one chunk), so the scratch is charged
   like SGLang's own sharded pools charge theirs instead of coming out of activation memory. With
   an EAGLE draft (`include_mtp`, SGLang passes it for the target) the draft pool's scratch too.
+- `KVCacheConfigurator._build_token_to_kv_pool_allocator` (AROUND; with HiCache only): SGLang's
+  owner-classed `PageInterleavePoolAllocator` instead of its stock paged allocator, so that a
+  HiCache load-back gets device pages of the owners its host copies live on. That allocator
+  widens the per-rank capacity by N itself and SGLang's scheduler then reports N x the per-rank
+  count (`page_interleave_shard_size`), so with HiCache `_derive_pool_sizes` leaves the count
+  per-rank and `_build_dsa_kv_pool` gives the pool the logical size: widened once either way.
+  It gets no `shard_spec`: SGLang's admission then does not gate on SGLang's sharding scratch,
+  which this pool does not use (its own is reserved by `compute_page_shard_scratch_bytes`).
 """
 
 from __future__ import annotations
@@ -44,10 +52,19 @@ def _applies(configurator) -> bool:
     return is_deepseek_dsa(configurator.model_config.hf_config)
 
 
+def _owner_classed_allocation() -> bool:
+    """HiCache on: the target's allocator is SGLang's owner-classed one (start-up validation
+    refuses HiCache with a draft, so this is the target's pool)."""
+    from sglang.srt.runtime_context import get_memory
+
+    return bool(get_memory().enable_hierarchical_cache)
+
+
 def derive_pool_sizes(original, self, *, config):
-    """AROUND `_derive_pool_sizes`: logical capacity = per-rank capacity x attn_cp_size."""
+    """AROUND `_derive_pool_sizes`: logical capacity = per-rank capacity x attn_cp_size, unless
+    the owner-classed allocator widens it (HiCache)."""
     sizes = original(self, config=config)
-    if not _applies(self):
+    if not _applies(self) or _owner_classed_allocation():
         return sizes
     from sglang.srt.runtime_context import get_parallel
 
@@ -90,6 +107,8 @@ def build_dsa_kv_pool(original, self, *, max_total_num_tokens, max_running_reque
     from sglang.srt.runtime_context import get_parallel
 
     parallel = get_parallel()
+    if _owner_classed_allocation():  # the count is per-rank (see derive_pool_sizes); the pool's size is logical
+        max_total_num_tokens *= parallel.attn_cp_size
     pool_class = functools.partial(
         SharedKVDSATokenToKVPool,
         cp_rank=parallel.attn_cp_rank,
@@ -111,8 +130,38 @@ def build_dsa_kv_pool(original, self, *, max_total_num_tokens, max_running_reque
     return pool
 
 
+def build_allocator(original, self, *, sizes, token_to_kv_pool, token_to_kv_pool_allocator, **kwargs):
+    """AROUND `_build_token_to_kv_pool_allocator`: with HiCache, SGLang's owner-classed allocator
+    over the shared pool (`sizes.max_total_num_tokens` per rank; it widens by N itself)."""
+    if not (_applies(self) and _owner_classed_allocation()) or token_to_kv_pool_allocator is not None:
+        return original(
+            self, sizes=sizes, token_to_kv_pool=token_to_kv_pool,
+            token_to_kv_pool_allocator=token_to_kv_pool_allocator, **kwargs,
+        )  # fmt: skip
+    from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
+    from sglang.srt.runtime_context import get_disagg
+
+    if not isinstance(token_to_kv_pool, SharedKVDSATokenToKVPool):
+        raise RuntimeError(f"expected the shared-KV pool, got {type(token_to_kv_pool).__name__}")
+    return PageInterleavePoolAllocator(
+        sizes.max_total_num_tokens,
+        physical_page_size=self.page_size,
+        shard_size=token_to_kv_pool.cp_size,
+        dtype=self.kv_cache_dtype,
+        device=self.device,
+        kvcache=token_to_kv_pool,
+        need_sort=get_disagg().disaggregation_mode in ("decode", "prefill"),  # as SGLang's own branch
+        shard_spec=None,  # no admission gate on SGLang's sharding scratch: the pool reserves its own
+    )
+
+
 HOOKS = [
     ("sglang.srt.mem_cache.page_interleave.compute_page_shard_scratch_bytes", scratch_bytes, "AROUND"),
     ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._derive_pool_sizes", derive_pool_sizes, "AROUND"),
     ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_dsa_kv_pool", build_dsa_kv_pool, "AROUND"),
+    (
+        "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool_allocator",
+        build_allocator,
+        "AROUND",
+    ),
 ]

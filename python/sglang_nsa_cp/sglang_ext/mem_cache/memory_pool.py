@@ -45,8 +45,9 @@ start-up for one context of history plus one chunk and grown if a batch needs mo
 
 For SGLang's owner-sharded HiCache host tier the pool carries `placement` (SGLang's arithmetic for
 the same layout) and `host_capacity_tokens` (the rank's rows, which size its host pool), and its
-history gather waits for a layer's host load (`layer_transfer_counter`). The start-up check still
-refuses HiCache: the owner-classed allocator it also needs is not built (docs/sglang_plugin.md).
+history gather waits for a layer's host load (`layer_transfer_counter`). With HiCache the plugin
+builds SGLang's owner-classed allocator over this pool (`kv_cache_configurator.build_allocator`),
+which hands out logical pages up to the end of its last row of N: `num_logical_pages` covers them.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
         logger.info(
             "Shared-KV DSA pool: CP rank %d/%d stores %d of %d logical pages (+1 trash page) per layer; "
             "dense scratch %.1f MiB for %d pages (two layers); prefetch %s",
-            cp_rank, cp_size, self.store.local_pages - 1, self.num_logical_pages,
+            cp_rank, cp_size, self.store.local_pages - 1, self.size // self.page_size + 1,  # SGLang's pages
             self.prefetcher.scratch_bytes() / 2**20, scratch_pages, "on" if self.prefetcher.enabled else "off",
         )  # fmt: skip
 
@@ -158,7 +159,11 @@ class SharedKVDSATokenToKVPool(PageInterleaveKVPoolMixin, DSATokenToKVPool):
     # ---- storage: the rank's KVStore shard, seen through SGLang's buffer attributes -------------
     @property
     def num_logical_pages(self) -> int:
-        return self.size // self.page_size + 1  # SGLang's pool rows are size + page_size
+        """SGLang's pool rows (size + page_size) rounded up to whole rows of N pages: SGLang's
+        owner-classed allocator (HiCache) hands out pages up to the end of its last row. The
+        local pages are the same either way."""
+        pages = self.size // self.page_size + 1
+        return self.cp_size * -(-pages // self.cp_size)
 
     def _alloc_context(self):
         return torch.cuda.use_mem_pool(self.custom_mem_pool) if self.custom_mem_pool else nullcontext()
