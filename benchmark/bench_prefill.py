@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from sglang_nsa_cp.cli import comma_list, format_table, int_pair
+from sglang_nsa_cp.cli import comma_list, format_table, int_pair, save_plot
 from sglang_nsa_cp.comm import TrafficCounter, all_gather_rows, run_ranks
 from sglang_nsa_cp.layout import OwnerClassedAllocator, RequestPageTable
 from sglang_nsa_cp.oracle import rel_err
@@ -365,9 +365,7 @@ def _plot(raw, path):
     ax.set_yticks(range(len(PATHS)), PATHS)
     ax.set_xlabel("ms (one bar segment per layer; red: exposed materialize)")
     ax.set_title(f"prefill timeline, {name}, {raw['machine'].get('gpus', ['cpu'])[0]}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    save_plot(fig, path)
 
 
 def main(argv=None):

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from helpers import sglang_gpu_harness as G  # noqa: E402
 from bench_prefill import materialize_vs_allgather, save_results  # noqa: E402
 
-from sglang_nsa_cp.cli import comma_list, format_table, int_pair  # noqa: E402
+from sglang_nsa_cp.cli import comma_list, format_table, int_pair, save_plot  # noqa: E402
 from sglang_nsa_cp.comm import run_ranks  # noqa: E402
 
 PATHS = ("replicated", "shared", "shared_prefetch")
@@ -341,9 +341,7 @@ def _plot(raw, path):
     ax.set_title(
         f"SGLang DSA prefill, {name}, median layer times, {raw['machine']['gpus'][0]} x{len(raw['machine']['gpus'])}"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    save_plot(fig, path)
 
 
 def main(argv=None):

@@ -1,5 +1,5 @@
 """What the command line tools share (the demo, benchmark/*.py): plain-text tables and
-comma-separated list arguments."""
+comma-separated list arguments, saved plots."""
 
 from __future__ import annotations
 
@@ -71,3 +71,10 @@ def comma_list(item: Callable[[str], Any] = int, *, low=None, noun: str = "integ
             raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
 
     return parse
+
+
+def save_plot(fig, path: str) -> None:
+    """Write a benchmark's matplotlib figure and say where."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
