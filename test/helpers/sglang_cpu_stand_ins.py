@@ -17,6 +17,7 @@ server plugin relaxes the product plugin's `--device cuda` start-up requirement.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib.machinery
 import inspect
 import sys
@@ -274,6 +275,34 @@ def install_server_stand_ins():
     MooncakeKVSender.supports_host_tensor_indices = False
 
 
+def _bytes_at(address: int, nbytes: int) -> torch.Tensor:
+    """The `nbytes` bytes of CPU memory at `address`, as a uint8 tensor (no copy)."""
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=torch.uint8)
+
+
+def transfer_kv_all_layer_mla_by_pointer(src_layers, dst_layers, src_indices, dst_indices, item_size, num_layers):
+    """Stands in for `sgl_kernel.kvcacheio.transfer_kv_all_layer_mla` (HiCache's all-layer
+    write-back) in a server: its operands are tables of layer buffer addresses; on CPU an address
+    is the buffer, read here up to the last item the copy touches."""
+    from helpers.sglang_hicache_harness import transfer_kv_per_layer_mla
+
+    if src_indices.numel() == 0:
+        return
+    src_end, dst_end = ((int(i.max()) + 1) * item_size for i in (src_indices, dst_indices))
+    for layer in range(num_layers):
+        src, dst = _bytes_at(int(src_layers[layer]), src_end), _bytes_at(int(dst_layers[layer]), dst_end)
+        transfer_kv_per_layer_mla(src, dst, src_indices, dst_indices, item_size)
+
+
+def _install_hicache_stand_ins(*args, **kwargs):
+    """BEFORE SGLang builds its HiCache tier (so only in a server run with
+    --enable-hierarchical-cache): the host-tier transfers of `sglang_hicache_harness`, with the
+    all-layer copy by address, `cudaHostRegister` a no-op."""
+    from helpers import sglang_hicache_harness
+
+    sglang_hicache_harness._install_transfer_stand_ins(all_layer=transfer_kv_all_layer_mla_by_pointer)
+
+
 def _patch_loaded_model(result, runner, *args, **kwargs):
     """AFTER `ModelRunner.load_model`: the per-module stand-ins on the model SGLang just built."""
     patch_model(runner.model)
@@ -304,4 +333,9 @@ def register():
     )
     HookRegistry.register(
         "sglang_nsa_cp.sglang_ext.arg_groups.parallel_hook.find_problems", _allow_cpu_device, HookType.AROUND
+    )
+    HookRegistry.register(
+        "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.init_hicache",
+        _install_hicache_stand_ins,
+        HookType.BEFORE,
     )

@@ -85,7 +85,9 @@ def transfer_kv_all_layer_mla(src_layers, dst_layers, src_indices, dst_indices, 
         transfer_kv_per_layer_mla(src, dst, src_indices, dst_indices, item_size)
 
 
-def _install_transfer_stand_ins():
+def _install_transfer_stand_ins(all_layer=transfer_kv_all_layer_mla):
+    """`all_layer`: the all-layer copy to bind (a live server has no pointer table: the server
+    plugin passes `sglang_cpu_stand_ins.transfer_kv_all_layer_mla_by_pointer`)."""
     import sglang.srt.mem_cache.pool_host.common as host_common
     import sglang.srt.mem_cache.pool_host.dsa as host_dsa
     import sglang.srt.mem_cache.pool_host.mla as host_mla
@@ -95,7 +97,7 @@ def _install_transfer_stand_ins():
         torch.cpu.Stream.synchronize = lambda self: None  # CPU work is already complete when it returns
     for module in (host_mla, host_dsa):
         module.transfer_kv_per_layer_mla = transfer_kv_per_layer_mla
-        module.transfer_kv_all_layer_mla = transfer_kv_all_layer_mla
+        module.transfer_kv_all_layer_mla = all_layer
 
 
 class Tier:

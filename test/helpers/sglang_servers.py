@@ -1,8 +1,9 @@
 """Real SGLang 0.5.23 servers on CPU: a PD prefill with `--enable-nsa-prefill-cp-shared-kv`, its
 oracles, a decode, SGLang's router; HTTP clients for them.
 
-Used by test_sglang_server_pd.py, and by `scripts/sglang_pd_cpu.sh` (run this file) to do the
-same by hand. What runs, what is replaced and why: docs/sglang_cpu_server.md.
+Used by test_sglang_server_pd.py and test_sglang_server_hicache.py, and by
+`scripts/sglang_pd_cpu.sh` (run this file) to do the same by hand. What runs, what is replaced and
+why: docs/sglang_cpu_server.md.
 
 Every server is `python -m sglang.launch_server` in its own process group (launcher, scheduler
 per rank, detokenizer), started with the CPU stand-ins of `sglang_cpu_stand_ins.py` as a test-only
@@ -245,6 +246,15 @@ PD_ARGS = ["--disaggregation-transfer-backend", "mooncake"]
 ONE_AT_A_TIME = ["--max-running-requests", "1"]
 DECODE_EXTRA_SLOTS = ["--disaggregation-decode-extra-slots", "8"]
 
+# HiCache's host tier on a CP prefill (test_sglang_server_hicache.py): a device pool of
+# HICACHE_DEVICE_TOKENS logical tokens (so a few prompts push a prefix out to host), a host pool
+# twice that. The shared pool's per-rank count is 1/N of its logical capacity (the owner-classed
+# allocator spans the N ranks' pages); the replicated pool holds every page on every rank.
+# (A later argument wins: these --max-total-tokens override server_command's.)
+HICACHE_DEVICE_TOKENS = 1024
+HICACHE_ARGS = ["--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-io-backend", "kernel",
+                "--hicache-mem-layout", "layer_first"]  # fmt: skip
+
 # name -> (extra launch_server arguments, needs a bootstrap port)
 ROLES = {
     "shared": (CP_ARGS + PD_ARGS + ["--disaggregation-mode", "prefill", "--enable-nsa-prefill-cp-shared-kv"], True),
@@ -252,6 +262,9 @@ ROLES = {
     "decode": (PD_ARGS + ["--disaggregation-mode", "decode"] + ONE_AT_A_TIME + DECODE_EXTRA_SLOTS, False),
     "single": (ONE_AT_A_TIME, False),
 }
+for _flavour in ("shared", "replicated"):  # per-rank token counts for the same logical capacity
+    _per_rank = HICACHE_DEVICE_TOKENS // CP if _flavour == "shared" else HICACHE_DEVICE_TOKENS
+    ROLES[f"hicache_{_flavour}"] = (ROLES[_flavour][0] + HICACHE_ARGS + ["--max-total-tokens", str(_per_rank)], True)
 
 
 def server_command(model: str, port: int, role_args: list[str], bootstrap_port: int | None) -> list[str]:
