@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -301,6 +301,20 @@ class Cluster:
     servers: dict[str, Server] = field(default_factory=dict)
     procs: list[Proc] = field(default_factory=list)
     model: str = ""
+    startup_s: float = 0.0  # how long start() took, for the tests' logs
+
+    @contextmanager
+    def running(self, timeout_s: float = 240.0):
+        """Start every server, yield the cluster, stop them all; fail if a process group or a port
+        outlives the stop (a server that leaks would poison the next test's ports)."""
+        t0 = time.monotonic()
+        try:
+            self.start(timeout_s)
+            self.startup_s = time.monotonic() - t0
+            yield self
+        finally:
+            leftovers = self.stop()
+            assert not leftovers, f"after stopping the servers: {leftovers}"
 
     def start(self, timeout_s: float = 240.0) -> "Cluster":
         self.model = write_model(str(self.workdir / "model"))

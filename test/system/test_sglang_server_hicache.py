@@ -21,7 +21,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import re  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 import pytest  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
@@ -40,14 +39,8 @@ OTHERS = [S.prompt_ids(4 * S.PAGE + 20, seed=42 + i) for i in range(S.HICACHE_DE
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     cluster = S.Cluster(tmp_path_factory.mktemp("sglang_hicache_cpu"), roles=(*PREFILLS, "decode"), router=False)
-    t0 = time.monotonic()
-    try:
-        cluster.start()
-        cluster.startup_s = time.monotonic() - t0
+    with cluster.running():
         yield cluster
-    finally:
-        leftovers = cluster.stop()
-        assert not leftovers, f"after stopping the servers: {leftovers}"
 
 
 def _log(server, mark=0):

@@ -39,15 +39,8 @@ NEW_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    cluster = S.Cluster(tmp_path_factory.mktemp("sglang_pd_cpu"))
-    t0 = time.monotonic()
-    try:
-        cluster.start()
-        cluster.startup_s = time.monotonic() - t0
+    with S.Cluster(tmp_path_factory.mktemp("sglang_pd_cpu")).running() as cluster:
         yield cluster
-    finally:
-        leftovers = cluster.stop()
-        assert not leftovers, f"after stopping the servers: {leftovers}"
 
 
 def _three_paths(cluster, ids, new_tokens=NEW_TOKENS):
