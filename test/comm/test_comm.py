@@ -156,6 +156,7 @@ def _pid(rank, world, group):
 def _fail_on(rank, world, group, bad_rank):
     if rank == bad_rank:
         raise ValueError(f"boom on rank {rank}")
+    time.sleep(1.0)  # the other ranks are still working when the bad one fails
     return os.getpid()
 
 

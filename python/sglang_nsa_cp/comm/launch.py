@@ -6,7 +6,8 @@ runs many short calls (spawning a rank and importing torch costs seconds; a call
     parent ── spawn ──> rank 0 ─┐   each rank: init the group once, then run every call it gets
            ── spawn ──> rank 1 ─┼─ results queue: ("ok", result) or ("error", traceback)
            ── spawn ──> rank 2 ─┘   + a stack file per rank (faulthandler)
-    first "error" or dead rank   -> stop every rank still working, raise with that rank's traceback
+    first "error" or dead rank   -> stop every rank still working (ranks without a group finish
+                                    their calls), raise with that rank's traceback
     deadline passed              -> SIGUSR1 to every live rank (faulthandler dumps all its
                                     threads' stacks), raise naming each rank and its stack
 
@@ -146,9 +147,10 @@ class RankPool:
     with `run_ranks`' failure rules. A rank may keep state between calls in module globals.
 
     backend: "gloo" or "nccl" joins the ranks in a torch.distributed group (`group`); None gives
-    independent ranks (`group` is None): a failure then restarts only the ranks whose call did
-    not succeed, when each of them has exited (a rank that died, or raised and left); the others
-    keep their state. Use as a context manager, or call close().
+    independent ranks (`group` is None): a failure then waits for the other ranks' calls (they
+    block on nothing) and restarts only the ranks whose call did not succeed, when each of them
+    has exited (a rank that died, or raised and left); the others keep their state. Use as a
+    context manager, or call close().
     """
 
     def __init__(self, world_size: int, backend: str | None = "gloo", timeout_s: float = 120.0):
@@ -217,7 +219,7 @@ class RankPool:
             try:
                 got, rank, status, value = self._results.get(timeout=POLL_S)
             except queue.Empty:
-                if _collect_dead(self._procs, outcomes, self._stack_paths):
+                if _collect_dead(self._procs, outcomes, self._stack_paths) and self.backend is not None:
                     break  # a dead rank leaves the others blocked in a collective
                 if time.monotonic() > deadline:
                     late = [r for r in range(n) if r not in outcomes]
@@ -227,9 +229,11 @@ class RankPool:
             if got not in (call_id, None):
                 continue  # a late answer to a call that already failed
             outcomes[rank] = (status, pickle.loads(value) if status == "ok" else value)
-            if status == "error":
+            if status == "error" and self.backend is not None:
                 # The others are likely blocked in a collective: stop them. A rank that died
-                # first (its peers' collectives then fail) is the cause: name it too.
+                # first (its peers' collectives then fail) is the cause: name it too. Ranks
+                # without a group block on nothing: their calls run to the end, so only the
+                # failed one is replaced.
                 time.sleep(POLL_S)
                 _collect_dead(self._procs, outcomes, self._stack_paths)
                 break
