@@ -35,9 +35,11 @@ def gather_history_pages(
     `pages` is one layer's shard viewed as one row per local page; `out` [>= num_gathered_pages,
     page row] of the same dtype. A collective: every rank of `group` calls it in the same order.
     """
-    # Padding pages (-1: this rank owns fewer history pages than another) are sent as zeros: they
-    # land in the dense view, which SGLang's readers may touch past the planned pages, as they
-    # touch a pool's unused (zero) pages; uninitialized memory there can hold NaN.
+    # Padding pages (-1: this rank owns fewer history pages than another) are sent as zeros. SGLang's
+    # readers touch dense row 0 for padded entries, as they touch their own pool's reserved slot 0,
+    # and rank 0's padding lands there when it owns no history page. Traced on CPU with SGLang's
+    # forward: NaN in rank 0's padding changed the logits; NaN in other ranks' padding, in the trash
+    # page or in the unwritten tail rows of the chunk's last page did not.
     send = kernels.gather_rows(pages, plan.send_pages, pages.new_zeros((plan.pages_per_rank, pages.shape[1])))
     all_gather_rows(send, plan.pages_per_rank, group, counter, kind, out=out[: plan.num_gathered_pages])
     return out
