@@ -1,7 +1,7 @@
 """Real SGLang 0.5.23 servers on CPU: a PD prefill with `--enable-nsa-prefill-cp-shared-kv`, its
 oracles, a decode, SGLang's router; HTTP clients for them.
 
-Used by test_sglang_server_pd.py and test_sglang_server_hicache.py, and by
+Used by test_sglang_server_pd.py, test_sglang_server_hicache.py and test_sglang_server_fp8.py, and by
 `scripts/sglang_pd_cpu.sh` (run this file) to do the same by hand. What runs, what is replaced and
 why: docs/sglang_cpu_server.md.
 
@@ -262,6 +262,15 @@ ROLES = {
     "decode": (PD_ARGS + ["--disaggregation-mode", "decode"] + ONE_AT_A_TIME + DECODE_EXTRA_SLOTS, False),
     "single": (ONE_AT_A_TIME, False),
 }
+# fp8 KV (test_sglang_server_fp8.py): SGLang's fp8 DSA pool (FlashMLA's 656-byte rows) on both
+# prefills and the decode, the prefill backend the flag needs with fp8 named as a deployment names it
+# (these override DSA_ARGS's bfloat16). The decode keeps DSA_ARGS's flashmla_sparse: on CPU the
+# FlashMLA stand-in dequantizes the fp8 rows it is handed (SM90 would take flashmla_kv).
+FP8_KV_ARGS = ["--kv-cache-dtype", "fp8_e4m3"]
+FP8_PREFILL_ARGS = FP8_KV_ARGS + ["--dsa-prefill-backend", "flashmla_sparse"]
+ROLES["fp8_shared"] = (ROLES["shared"][0] + FP8_PREFILL_ARGS, True)
+ROLES["fp8_replicated"] = (ROLES["replicated"][0] + FP8_PREFILL_ARGS, True)
+ROLES["fp8_decode"] = (ROLES["decode"][0] + FP8_KV_ARGS, False)
 for _flavour in ("shared", "replicated"):  # per-rank token counts for the same logical capacity
     _per_rank = HICACHE_DEVICE_TOKENS // CP if _flavour == "shared" else HICACHE_DEVICE_TOKENS
     ROLES[f"hicache_{_flavour}"] = (ROLES[_flavour][0] + HICACHE_ARGS + ["--max-total-tokens", str(_per_rank)], True)
