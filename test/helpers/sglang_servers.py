@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,13 +113,34 @@ def write_plugin_site(path: str) -> str:
 # ---- ports and processes ---------------------------------------------------------------------------
 
 
+_PORTS_GIVEN: set[int] = set()  # never hand out a port twice in one process
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_ports(n: int) -> list[int]:
-    """n distinct ports free on 127.0.0.1 now (held open together, so no two are the same)."""
-    with ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+    """n ports free on 127.0.0.1 now, none handed out before, all below the kernel's ephemeral
+    range: a server binds its port a minute or more after this, and meanwhile every outgoing
+    connection (Mooncake, ZMQ, gloo, HTTP) takes a port from that range, which once took one
+    picked there."""
+    top, rng, ports = _ephemeral_low(), random.Random(), []
+    while len(ports) < n:
+        port = rng.randrange(10000, top)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        ports.append(port)
+    return ports
 
 
 def port_open(port: int) -> bool:
