@@ -358,10 +358,27 @@ def record_collectives() -> list:
     return log
 
 
+def poison_scratch_each_batch(prefetcher) -> None:
+    """Fill the pool's dense scratch with 0xFF bytes (NaN as bf16, fp8 and fp32) as each batch
+    begins: uninitialized or stale memory may hold NaN, so SGLang's forward must read no dense row
+    the pool did not write in this batch (the trash page, a chunk's unused tail rows) in a way that
+    reaches the logits."""
+    begin = prefetcher.begin
+
+    def poisoned_begin(plan):
+        prefetcher.reserve(plan.num_dense_pages)
+        for half in prefetcher._halves:
+            for t in half:
+                t.view(torch.uint8).fill_(0xFF)
+        begin(plan)
+
+    prefetcher.begin = poisoned_begin
+
+
 def run_scenario(rank, world, group, model_path, mode, prefetch=True, kv_cache_dtype="bfloat16"):
     """mode: 'off' (1 rank, no CP), 'replicated' (SGLang's CP, every rank keeps all KV) or
     'shared' (the plugin's pool, with or without one-layer-ahead history prefetch, and its tail
-    gather); `kv_cache_dtype` bfloat16 or fp8_e4m3. Returns each batch's next-token logits, every
+    gather; its dense scratch poisoned as each batch begins); `kv_cache_dtype` bfloat16 or fp8_e4m3. Returns each batch's next-token logits, every
     collective the rank issued and, for CP runs, the decode pool's latent bytes per layer."""
     import time
 
@@ -386,6 +403,7 @@ def run_scenario(rank, world, group, model_path, mode, prefetch=True, kv_cache_d
     if mode == "shared":
         # These histories are a few pages per rank: launch them ahead all the same.
         engine.pool.prefetcher.min_pages_per_rank = 1
+        poison_scratch_each_batch(engine.pool.prefetcher)
     collectives = record_collectives()
     _record_tail_rows(engine)
     info = dict(pool=type(engine.pool).__name__, sharded_pool_seen=engine.backend._kv_shard_pool is engine.pool,

@@ -22,8 +22,10 @@ request 0's prompt; then one decode step for all four requests):
 - CP=2 shared KV, with and without one-layer-ahead history prefetch, and CP=4 shared KV with it:
   the same with the plugin loaded through its entry point and enabled: its
   `SharedKVDSATokenToKVPool` (the core's dense plan and `HistoryPrefetcher`), narrow tail gather
-  and logits-processor hook. The decode step runs on a non-CP pool assembled from the pages each
-  rank owns (what the owned-page PD transfer delivers to a decode instance).
+  and logits-processor hook; its dense scratch is filled with NaN bytes as each batch begins, so
+  a row the pool did not write (the trash page, a chunk's unused tail rows) would reach the
+  logits if SGLang's forward read it. The decode step runs on a non-CP pool assembled from the
+  pages each rank owns (what the owned-page PD transfer delivers to a decode instance).
 The same at CP off, replicated CP=2 and shared CP=2 with `--kv-cache-dtype fp8_e4m3` (SGLang's
 656-byte FlashMLA rows). At CP=2 all must give the same next-token logits (they are bit-identical here: dense MLPs are not
 TP-split, `moe_dense_tp_size=1`); at CP=4 shared KV must equal replicated CP=4 bit for bit (both
