@@ -195,7 +195,8 @@ def check_token_ids(vocab: int, seed: int = 5) -> dict[int, torch.Tensor]:
 
 def run_check(rank, world, group, model_path, mode, prefetch=True, kv_cache_dtype="bfloat16"):
     """One rank of the correctness scenario. mode: 'off' (1 GPU, no CP), 'replicated' (SGLang's
-    CP, every rank keeps all KV) or 'shared' (the plugin); `kv_cache_dtype` bfloat16 or fp8_e4m3.
+    CP, every rank keeps all KV) or 'shared' (the plugin, its dense scratch NaN as each batch
+    begins); `kv_cache_dtype` bfloat16 or fp8_e4m3.
     Returns each batch's next-token logits
     (CPU), then the decode step's, which runs on a non-CP pool assembled from the owners' pages
     in the shared mode (what the owned-page PD transfer delivers to a decode instance)."""
@@ -225,6 +226,8 @@ def run_check(rank, world, group, model_path, mode, prefetch=True, kv_cache_dtyp
         max_len=CHECK_MAX_LEN,
         scratch_pages=scratch_pages(CHECK_MAX_LEN, CHECK_MAX_LEN, world),
     )
+    if mode == "shared":
+        H.poison_scratch_each_batch(engine.pool.prefetcher)  # as the CPU forward test does
     engine.init_requests(seed=3)
     toks = check_token_ids(mc.hf_config.vocab_size)
     logits = []
