@@ -195,9 +195,12 @@ class Proc:
     def exited(self) -> int | None:
         return self.popen.poll()
 
+    def log_text(self, since: int = 0) -> str:
+        """What the process has logged, from character `since` on (a length read earlier)."""
+        return self.log.read_text(errors="replace")[since:] if self.log.exists() else ""
+
     def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        return text[-chars:]
+        return self.log_text()[-chars:]
 
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM the whole group, SIGKILL whatever is left after `grace_s`, reap the launcher."""

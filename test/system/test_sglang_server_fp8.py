@@ -49,10 +49,6 @@ def cluster(tmp_path_factory):
         yield cluster
 
 
-def _log(server, mark=0):
-    return server.log.read_text(errors="replace")[mark:]
-
-
 def _both_pds(cluster, ids):
     """The same greedy request through the shared-KV PD and the replicated PD, concurrently.
     Returns {prefill name: (prefill meta_info, output ids)}."""
@@ -81,7 +77,7 @@ def test_servers_start_with_fp8_pools_and_the_shared_one_holds_twice_the_tokens(
     """Every pool is SGLang's fp8 one; a shared rank holds 2 x the replicated rank's logical tokens
     in the same KV bytes."""
     print(f"servers ready in {cluster.startup_s:.0f} s")
-    pools = {name: re.findall(POOL_LOG, _log(cluster.servers[name])) for name in (*PREFILLS, "fp8_decode")}
+    pools = {name: re.findall(POOL_LOG, cluster.servers[name].log_text()) for name in (*PREFILLS, "fp8_decode")}
     for name, lines in pools.items():
         print(f"{name}: per-rank pool (dtype, #tokens, KV GB): {lines}")
     shared, replicated = pools["fp8_shared"], pools["fp8_replicated"]
@@ -105,20 +101,20 @@ def test_servers_start_with_fp8_pools_and_the_shared_one_holds_twice_the_tokens(
     pages = S.CP * S.MAX_TOTAL_TOKENS // S.PAGE
     for rank in range(S.CP):
         stores = re.findall(
-            rf"Shared-KV DSA pool: CP rank {rank}/{S.CP} stores .*", _log(cluster.servers["fp8_shared"])
+            rf"Shared-KV DSA pool: CP rank {rank}/{S.CP} stores .*", cluster.servers["fp8_shared"].log_text()
         )
         assert stores and f"of {pages + 1} logical pages" in stores[0], stores
-    assert "Shared-KV DSA pool" not in _log(cluster.servers["fp8_replicated"])
+    assert "Shared-KV DSA pool" not in cluster.servers["fp8_replicated"].log_text()
 
 
 def test_prompt_of_three_chunks_reads_fp8_history(cluster):
     shared = cluster.servers["fp8_shared"]
-    mark = len(_log(shared))
+    mark = len(shared.log_text())
     n = 2 * S.CHUNK_TOKENS + 40
     results = _both_pds(cluster, S.prompt_ids(n, seed=51))
     print(f"{n}-token prompt: {_summary(results)}")
     _assert_same(f"prompt of {n} tokens", results)
-    chunks = re.findall(r"Prefill batch.*#new-token: (\d+)", _log(shared, mark))
+    chunks = re.findall(r"Prefill batch.*#new-token: (\d+)", shared.log_text(mark))
     assert len(chunks) >= 3, f"expected >= 3 prefill chunks on the shared prefill, got {chunks}"
 
 

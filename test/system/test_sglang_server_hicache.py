@@ -43,12 +43,8 @@ def cluster(tmp_path_factory):
         yield cluster
 
 
-def _log(server, mark=0):
-    return server.log.read_text(errors="replace")[mark:]
-
-
 def _logged_ints(server, pattern, mark=0):
-    return [int(m) for m in re.findall(pattern, _log(server, mark))]
+    return [int(m) for m in re.findall(pattern, server.log_text(mark))]
 
 
 def _generate(cluster, prefill, ids):
@@ -80,7 +76,7 @@ def test_prefix_evicted_to_host_is_loaded_back_with_the_same_tokens(cluster):
     for ids in OTHERS:
         for name in PREFILLS:
             _generate(cluster, name, ids)
-    marks = {name: len(_log(cluster.servers[name])) for name in PREFILLS}
+    marks = {name: len(cluster.servers[name].log_text()) for name in PREFILLS}
     second = {name: _generate(cluster, name, PROMPT_A) for name in PREFILLS}
     cached = 4 * S.PAGE  # A's full pages
     for name in PREFILLS:

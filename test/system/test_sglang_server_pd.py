@@ -67,7 +67,7 @@ def _assert_same(where, shared, replicated, single):
 
 
 def _log_lines_since(server, mark, pattern):
-    return [line for line in server.log.read_text(errors="replace")[mark:].splitlines() if re.search(pattern, line)]
+    return [line for line in server.log_text(mark).splitlines() if re.search(pattern, line)]
 
 
 def _prefill_batches(server, mark):
@@ -77,7 +77,7 @@ def _prefill_batches(server, mark):
 
 
 def _log_mark(server):
-    return len(server.log.read_text(errors="replace"))
+    return len(server.log_text())
 
 
 def _wait_idle(server, timeout_s=60):
