@@ -15,6 +15,7 @@ allocator is SPMD: all ranks make the same choices and agree on every page's own
 
 from __future__ import annotations
 
+import heapq
 import threading
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
@@ -52,8 +53,9 @@ class OwnerClassedAllocator:
             raise ValueError(f"a pool of {num_pages} pages cannot give each of {cp_size} ranks a page")
         self.num_pages = num_pages
         self.cp_size = cp_size
-        # Pop from the end: lowest page ids first, deterministic on every rank.
-        self._free = [sorted(range(r, num_pages, cp_size), reverse=True) for r in range(cp_size)]
+        # One min-heap per class (an ascending range already is one): lowest page ids first,
+        # deterministic on every rank, O(log n) per page freed or taken.
+        self._free = [list(range(r, num_pages, cp_size)) for r in range(cp_size)]
         self._allocated: set[int] = set()
         self._lock = threading.Lock()
 
@@ -80,7 +82,7 @@ class OwnerClassedAllocator:
             for owner in owners:
                 if not self._free[owner]:
                     owner = max(range(self.cp_size), key=lambda r: (len(self._free[r]), -r))
-                pages.append(self._free[owner].pop())
+                pages.append(heapq.heappop(self._free[owner]))
             self._allocated.update(pages)
             return pages
 
@@ -95,9 +97,7 @@ class OwnerClassedAllocator:
                 )
             for p in pages:
                 self._allocated.discard(p)
-                self._free[page_owner(p, self.cp_size)].append(p)
-            for f in self._free:
-                f.sort(reverse=True)
+                heapq.heappush(self._free[page_owner(p, self.cp_size)], p)
 
 
 @dataclass
