@@ -163,10 +163,11 @@ class OwnedPageLedger:
             problems.append(f"its chunks {seen} do not cover the request's {entry.expected_kv.total} pages")
         if entry.index_expected and entry.index is None:
             problems.append("its index-K pages were not sent")
-        sent_kv = _Pages(total=entry.expected_kv.total)
-        sent_kv.add(sorted(queued), [queued[k] for k in sorted(queued)])
+        positions = sorted(queued)
         manifest = RankClaims(
-            kv=sent_kv.claims(self.rank, self.cp_size),
+            kv=PageClaims(
+                self.rank, self.cp_size, entry.expected_kv.total, tuple(positions), tuple(queued[k] for k in positions)
+            ),
             index=entry.index.claims(self.rank, self.cp_size) if entry.index is not None else None,
         )
         problem = None
