@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import os
 import threading
+from types import SimpleNamespace
 from unittest import mock
 
-from helpers import sglang_cpu_stand_ins as stand_ins
 import torch
+
+from helpers import sglang_cpu_stand_ins as stand_ins
 
 PAGE = 64
 LAYERS = 2
@@ -383,11 +385,18 @@ def _hicache_engine(mode, rank, world, model_path):
     engine = H.Engine(sa, mc, model, pool_pages=FORWARD_POOL_PAGES, cp_group=cp_group)
     size = FORWARD_POOL_PAGES * PAGE
     if mode == "shared":
+        from sglang_nsa_cp.sglang_ext.mem_cache.kv_cache_configurator import build_allocator
+
         engine.pool.prefetcher.min_pages_per_rank = 1
-        allocator = PageInterleavePoolAllocator(
-            size // cp, physical_page_size=PAGE, shard_size=cp, dtype=torch.bfloat16, device="cpu",
-            kvcache=engine.pool, need_sort=True, shard_spec=None,
+        # The plugin's hook, as SGLang's configurator calls it (the count it passes is per rank).
+        configurator = SimpleNamespace(
+            is_draft_worker=False, model_config=mc, page_size=PAGE, kv_cache_dtype=torch.bfloat16, device="cpu"
+        )
+        allocator = build_allocator(
+            None, configurator, sizes=SimpleNamespace(max_total_num_tokens=size // cp),
+            token_to_kv_pool=engine.pool, token_to_kv_pool_allocator=None,
         )  # fmt: skip
+        assert isinstance(allocator, PageInterleavePoolAllocator), type(allocator)
         assert allocator.size == engine.pool.size, "the allocator must widen to the pool's logical size"
     else:
         allocator = PagedTokenToKVPoolAllocator(
