@@ -363,10 +363,10 @@ def _gather_with_padding(rank, world, group):
 
 def test_history_gather_sends_zeros_for_padding_pages():
     """A rank owning fewer history pages than pages_per_rank pads its send with zero pages, not
-    uninitialized memory: those pages land in the dense view, which SGLang's forward reads past
-    the planned pages (its own pool's unused pages are zero); with uninitialized padding, SGLang's
-    DSA forward at CP=3 gave NaN-tainted logits in about half the runs
-    (test_sglang_ext_hicache_forward.py)."""
+    uninitialized memory: those pages land in the dense view, and SGLang's forward reads dense
+    row 0 for padded entries (as it reads its own pool's reserved slot 0), which is rank 0's
+    padding when rank 0 owns no history page; with uninitialized padding, SGLang's DSA forward at
+    CP=3 gave NaN-tainted logits in about half the runs (test_sglang_ext_hicache_forward.py)."""
     dense = run_ranks(_gather_with_padding, 2, timeout_s=120)
     for rank, got in enumerate(dense):
         assert got[[0, 2, 3]].tolist() == [[1.0] * 8, [2.0] * 8, [2.0] * 8], f"{rank=}: {got}"
