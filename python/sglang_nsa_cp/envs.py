@@ -85,11 +85,18 @@ class EnvBool(EnvVar):
 class EnvInt(EnvVar):
     type_name = "int"
 
+    def __init__(self, name: str, default, meaning: str, minimum: int | None = None):
+        super().__init__(name, default, meaning)
+        self.minimum = minimum
+
     def parse(self, value: str) -> int:
         try:
-            return int(value)
+            number = int(value)
         except ValueError:
             raise ValueError(f"{self.name}={value!r} is not an integer") from None
+        if self.minimum is not None and number < self.minimum:
+            raise ValueError(f"{self.name}={value!r}: must be at least {self.minimum}")
+        return number
 
 
 class EnvChoice(EnvVar):
@@ -141,6 +148,14 @@ class NsaCpEnvs:
         True,
         "One-layer-ahead history prefetch in the shared-KV pool. 0: each layer's history is "
         "all-gathered when the layer is first written, on the writing stream (diagnosis only).",
+    )
+    SGLANG_NSA_CP_SCRATCH_CONTEXTS = EnvInt(
+        "SGLANG_NSA_CP_SCRATCH_CONTEXTS",
+        1,
+        "Cached-prefix capacity of the sharded pool's gather scratch, in full contexts (plus one chunk). "
+        "SGLang's default is 8; each context costs KV capacity, and a batch whose cached prefixes exceed "
+        "it waits for the next one. At least 1.",
+        minimum=1,
     )
     SGLANG_NSA_CP_KERNELS = EnvChoice(
         "SGLANG_NSA_CP_KERNELS",

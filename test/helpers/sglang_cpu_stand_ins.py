@@ -121,10 +121,11 @@ def install_fp8_kv_stand_ins():
     """SGLang's fp8 KV quantizer and prefix dequantizer (Triton) -> their torch twins, where
     SGLang's pool, the plugin's pool (through `memory_pool`) and the DSA backend look them up."""
     from sglang.srt.layers.attention import dsa_backend
-    from sglang.srt.mem_cache import memory_pool
+    from sglang.srt.mem_cache import memory_pool, page_interleave_pool
 
     memory_pool.quantize_k_cache_separate = quantize_k_cache_separate_torch
     dsa_backend.dequantize_k_cache_paged_dsa = dequantize_k_cache_paged_torch
+    page_interleave_pool.dequantize_k_cache_paged_dsa = dequantize_k_cache_paged_torch
     pad_ragged_topk_offsets()
 
 
@@ -189,6 +190,25 @@ class _SerialEvent:
         pass
 
 
+class GlooAllGather:
+    """CPU stand-in for the `PyNcclCommunicator` SGLang's sharded pool gathers history with
+    (`page_interleave_pool`): the same in-place all-gather, over the shard group's gloo group,
+    as bytes (gloo has no float8)."""
+
+    def __init__(self, group, device=None, cta_policy=None):
+        self.group = group
+
+    @contextlib.contextmanager
+    def change_state(self, enable=None, stream=None):
+        yield
+
+    def all_gather(self, output_tensor, input_tensor, stream=None, sizes=None):
+        import torch.distributed as dist
+
+        send = input_tensor.contiguous().view(torch.uint8).clone()  # the input is a block of the output
+        dist.all_gather_into_tensor(output_tensor.view(torch.uint8), send, group=self.group)
+
+
 # ---- installation ---------------------------------------------------------------------------------
 
 
@@ -203,6 +223,9 @@ def install_process_stand_ins():
     from sglang.srt.distributed import parallel_state
 
     parallel_state._is_cpu = True  # GroupCoordinator's CPU branch: torch.distributed collectives (gloo)
+    from sglang.srt.mem_cache import page_interleave_pool
+
+    page_interleave_pool.PyNcclCommunicator = GlooAllGather  # the sharded pool's history gather
     import sglang.kernels.ops.quantization.hadamard as hadamard
 
     hadamard.hadamard_transform = hadamard_reference  # imported lazily by dsa_indexer.rotate_activation

@@ -16,7 +16,7 @@ from unittest import mock
 
 from helpers import sglang_cpu_stand_ins as stand_ins
 import torch
-from helpers.paged_requests import PagedRequests
+from helpers.paged_requests import PagedRequests, RotatedPagedRequests, logical_pool_pages
 
 PAGE = 64
 ENV = stand_ins.ENV
@@ -161,30 +161,34 @@ class Engine:
     def __init__(
         self, sa, mc, model, pool_pages: int, cp_group=None, max_len: int = 1024, scratch_pages: int = 0, layer_num=None
     ):
-        from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
-        from sglang.srt.runtime_context import get_parallel
-
         cfg = mc.hf_config
         self.sa, self.mc, self.model = sa, mc, model
         self.device = torch.device("cuda", torch.cuda.current_device()) if sa.device == "cuda" else torch.device("cpu")
         self.kv_dtype, kv_cache_dim = kv_pool_format(sa, mc)
-        kw = dict(size=pool_pages * PAGE, page_size=PAGE, kv_lora_rank=cfg.kv_lora_rank, dtype=self.kv_dtype,
+        kw = dict(page_size=PAGE, kv_lora_rank=cfg.kv_lora_rank, dtype=self.kv_dtype,
                   qk_rope_head_dim=cfg.qk_rope_head_dim, layer_num=layer_num or cfg.num_hidden_layers, device=self.device,
                   index_head_dim=cfg.index_head_dim, enable_memory_saver=False, kv_cache_dim=kv_cache_dim)  # fmt: skip
-        par = get_parallel()
-        if cp_group is not None:  # the plugin's pool, as its _build_dsa_kv_pool hook builds it
-            from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import SharedKVDSATokenToKVPool
-
-            self.pool = SharedKVDSATokenToKVPool(
-                **kw, cp_rank=par.attn_cp_rank, cp_size=par.attn_cp_size, cp_group=cp_group, scratch_pages=scratch_pages
-            )
-        else:
-            self.pool = DSATokenToKVPool(**kw)
+        self._cp_group, self._scratch_pages = cp_group, scratch_pages
+        self.pool = self.make_pool(kw, pool_pages)
         self.pool_bytes = self.pool.get_kv_size_bytes()
         self.trace = []  # per forward: whether SGLang's CP path ran, rows handed to the logits
         self.req_to_token = torch.zeros((8, max_len), dtype=torch.int32, device=self.device)
         self.req_to_token_pool = SimpleNamespace(req_to_token=self.req_to_token, size=8)
         self.rebind_pool(self.pool)
+
+    def make_pool(self, kw, pool_pages):
+        from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+        from sglang.srt.runtime_context import get_parallel
+
+        if self._cp_group is None:
+            return DSATokenToKVPool(size=pool_pages * PAGE, **kw)
+        from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import SharedKVDSATokenToKVPool
+
+        par = get_parallel()  # the plugin's pool, as its _build_dsa_kv_pool hook builds it
+        return SharedKVDSATokenToKVPool(
+            size=pool_pages * PAGE, **kw, cp_rank=par.attn_cp_rank, cp_size=par.attn_cp_size,
+            cp_group=self._cp_group, scratch_pages=self._scratch_pages,
+        )  # fmt: skip
 
     def rebind_pool(self, pool):
         """(Re)build SGLang's DSA backend over `pool`, as ModelRunner does at start-up."""
@@ -434,6 +438,188 @@ def run_scenario(rank, world, group, model_path, mode, prefetch=True, kv_cache_d
     logits.append(engine.run(engine.forward_batch(DECODE, toks, decode=True)))
     timings["decode"] = time.monotonic() - t
     out = dict(logits=logits, timings=timings, pool_bytes=int(engine.pool_bytes), trace=engine.trace, **info)
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    return out
+
+
+# ---- SGLang's page-interleaved pool (the rebased plugin) -----------------------------------------
+
+
+def shard_spec(rank: int, shard_size: int, context_len: int, chunk_tokens: int, contexts: int):
+    """SGLang's `PageShardSpec` for a scratch of `contexts` contexts plus one chunk, sized by the
+    plugin's `scratch_spec` (what its `make_page_shard_spec` hook gives a server)."""
+    from sglang.srt.mem_cache.page_interleave import PageShardSpec
+
+    from sglang_nsa_cp.sglang_ext.mem_cache.page_interleave import scratch_spec
+
+    base = PageShardSpec(rank, shard_size, PAGE, max_prefix_tokens=0, chunk_tokens=0)
+    return scratch_spec(base, context_len=context_len, chunk_tokens=chunk_tokens, contexts=contexts)
+
+
+class RotatedEngine(Engine):
+    """An `Engine` whose requests take pages from SGLang's owner-rotating allocator (N =
+    `shard_size`), over `pages_per_rank` pages per rank. `sharded`: SGLang's page-interleaved DSA
+    pool (the plugin's subclass once the plugin is loaded) bound to the CP group, with a scratch
+    of `scratch_contexts` contexts of `max_len` tokens plus a chunk of `chunk_tokens`; otherwise
+    SGLang's `DSATokenToKVPool` over every logical page the allocator can hand out."""
+
+    def __init__(self, sa, mc, model, pages_per_rank: int, shard_size: int, sharded: bool, max_len: int = 1024,
+                 chunk_tokens: int = 512, scratch_contexts: int = 1):  # fmt: skip
+        self.pages_per_rank, self.shard_size = pages_per_rank, shard_size
+        self._sharded = (max_len, chunk_tokens, scratch_contexts) if sharded else None
+        super().__init__(sa, mc, model, pool_pages=logical_pool_pages(pages_per_rank, shard_size) - 1, max_len=max_len)
+
+    def make_pool(self, kw, pool_pages):
+        if self._sharded is None:
+            return super().make_pool(kw, pool_pages)
+        from sglang.srt.mem_cache import page_interleave_pool
+        from sglang.srt.runtime_context import get_parallel
+
+        group = get_parallel().attn_cp_group
+        spec = shard_spec(group.rank_in_group, group.world_size, *self._sharded)
+        pool_class = page_interleave_pool.PageInterleaveDSATokenToKVPool  # the plugin's, once loaded
+        return pool_class(size=self.pages_per_rank * PAGE, **kw, shard_spec=spec, shard_group=group)
+
+    def init_requests(self, seed: int = 0):
+        self.requests = RotatedPagedRequests(self.req_to_token, self.pages_per_rank, PAGE, self.shard_size)
+
+
+# Prefill batches (request index, new tokens), then one decode step. Extends start page-aligned,
+# as SGLang's scheduler makes them under KV sharding (radix matches are whole pages, chunks end on
+# pages).
+ROTATED_BATCHES = [
+    [(0, 128), (1, 9)],  # new requests (no history)
+    [(0, 64), (2, 70)],  # request 0's second chunk (two cached pages); a new request
+    # request 3 shares request 0's first two pages (radix hit); request 0's third chunk; a new request
+    [(3, 5), (0, 40), (4, 1)],
+]
+ROTATED_FORK = (2, 3, 0, 2 * PAGE)  # before batch 2: request 3 starts with request 0's first 128 tokens
+ROTATED_DECODE = [(i, 1) for i in range(5)]
+PAGES_PER_RANK = 16
+
+
+def rotated_token_ids(seed: int = 5) -> dict[int, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = {i: torch.randint(2, TINY_V32["vocab_size"], (MAX_TOKENS,), generator=g) for i in range(5)}
+    _, idx, source, length = ROTATED_FORK
+    ids[idx][:length] = ids[source][:length]
+    return ids
+
+
+def poison_gather_scratch(pool) -> None:
+    """Fill the sharded pool's gather scratch with 0xFF bytes (NaN as bf16, fp8 and fp32) as each
+    batch begins: stale memory may hold NaN, so SGLang's forward must read no scratch row the pool
+    did not write in this batch in a way that reaches the logits."""
+    begin = pool.begin_shard_extend
+
+    def poisoned_begin(*args, **kwargs):
+        for slot in pool._slots:
+            for t in slot.tensors.values():
+                t.view(torch.uint8).fill_(0xFF)
+        begin(*args, **kwargs)
+
+    pool.begin_shard_extend = poisoned_begin
+
+
+def count_history_gathers(pool) -> dict:
+    """Calls and bytes of the pool's history all-gathers (through its PyNccl communicator)."""
+    counts = {"calls": 0, "bytes": 0}
+    inner = pool.kv_gather_comm.all_gather
+
+    def counted(output_tensor, input_tensor, *args, **kwargs):
+        counts["calls"] += 1
+        counts["bytes"] += output_tensor.numel() * output_tensor.element_size()
+        return inner(output_tensor, input_tensor, *args, **kwargs)
+
+    pool.kv_gather_comm.all_gather = counted
+    return counts
+
+
+def count_fp8_quantizations() -> dict:
+    """Calls of SGLang's fp8 KV quantizer (`quantize_k_cache_separate`, where the pools look it up)."""
+    from sglang.srt.mem_cache import memory_pool
+
+    counts = {"calls": 0}
+    inner = memory_pool.quantize_k_cache_separate
+
+    def counted(*args, **kwargs):
+        counts["calls"] += 1
+        return inner(*args, **kwargs)
+
+    memory_pool.quantize_k_cache_separate = counted
+    return counts
+
+
+def _decode_pool_from_page_owners(engine):
+    """What the owned-page PD transfer hands a non-CP decode instance from SGLang's sharded pool:
+    every logical page p from rank p % N's local page p // N, in SGLang's unmodified pool."""
+    import torch.distributed as dist
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+    shared, n = engine.pool, engine.shard_size
+    pages = logical_pool_pages(engine.pages_per_rank, n)
+    full = DSATokenToKVPool(
+        size=(pages - 1) * PAGE, page_size=PAGE, kv_lora_rank=shared.kv_lora_rank, dtype=shared.dtype,
+        qk_rope_head_dim=shared.qk_rope_head_dim, layer_num=shared.layer_num, device=engine.device,
+        index_head_dim=128, enable_memory_saver=False, kv_cache_dim=shared.kv_cache_dim,
+    )  # fmt: skip
+    local_pages = engine.pages_per_rank + 1  # SGLang's pool: size + one page
+    for layer in range(shared.layer_num):
+        for src, dst in ((shared.kv_buffer[layer].view(local_pages, -1), full.kv_buffer[layer].view(pages, -1)),
+                         (shared.index_k_with_scale_buffer[layer], full.index_k_with_scale_buffer[layer])):  # fmt: skip
+            mine = src[:local_pages].contiguous()
+            gathered = mine.new_empty((n * local_pages, *mine.shape[1:]))
+            dist.all_gather_into_tensor(gathered.view(torch.uint8), mine.view(torch.uint8), group=shared.shard_group.cpu_group)
+            gathered = gathered.view(n, local_pages, -1)
+            logical = torch.arange(n, pages, device=gathered.device)  # pages 0..N-1: SGLang's padding pages
+            dst[n:pages] = gathered[logical % n, logical // n]
+    return full
+
+
+def run_rotated_scenario(rank, world, group, model_path, mode, kv_cache_dtype="bfloat16", plugin=True):
+    """The rotated-page scenario. mode: 'off' (1 rank), 'replicated' (SGLang's CP) or 'sharded'
+    (SGLang's page-interleaved pool, its scratch poisoned as each batch begins; `plugin`: with the
+    plugin loaded and enabled, so the pool is the plugin's subclass and the narrow tail gather
+    runs). Returns each batch's next-token logits, every collective the rank issued, the history
+    gathers and the decode pool's latent bytes per layer (sharded: assembled from page owners)."""
+    from sglang.srt.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    sa = setup_process(rank, world, model_path, 1 if mode == "off" else world, kv_cache_dtype)
+    if mode == "sharded" and plugin:
+        from sglang.srt.plugins import load_plugins
+
+        from sglang_nsa_cp.sglang_ext.server_args import ATTR
+
+        load_plugins()  # the plugin's entry point, as every SGLang process does
+        setattr(sa, ATTR, True)  # the decision its start-up validation writes (see docs)
+    mc, model = build_model(sa)
+    engine = RotatedEngine(sa, mc, model, PAGES_PER_RANK, shard_size=world, sharded=mode == "sharded")
+    info = dict(pool=type(engine.pool).__name__, pool_module=type(engine.pool).__module__)
+    if mode == "sharded":
+        poison_gather_scratch(engine.pool)
+        gathers = count_history_gathers(engine.pool)
+    quantizations = count_fp8_quantizations()
+    collectives = record_collectives()
+    _record_tail_rows(engine)
+    engine.init_requests()
+    toks = rotated_token_ids()
+    logits = []
+    for b, batch in enumerate(ROTATED_BATCHES):
+        if b == ROTATED_FORK[0]:
+            engine.requests.fork(*ROTATED_FORK[1:])
+        logits.append(engine.run(engine.forward_batch(batch, toks)))
+        if mode == "sharded":
+            engine.trace[-1].update(history=engine.pool._block_pages > 0)
+    info["collectives"] = list(collectives)
+    info["fp8_quantizations"] = quantizations["calls"]  # in the prefill batches
+    if mode == "sharded":
+        info["gathered"] = dict(gathers)
+        engine.pool.end_shard_extend()
+        engine.rebind_pool(_decode_pool_from_page_owners(engine))
+    info["decode_pool_latent"] = [buf.view(torch.uint8).clone() for buf in engine.pool.kv_buffer]
+    logits.append(engine.run(engine.forward_batch(ROTATED_DECODE, toks, decode=True)))
+    out = dict(logits=logits, pool_bytes=int(engine.pool_bytes), trace=engine.trace, **info)
     destroy_model_parallel()
     destroy_distributed_environment()
     return out

@@ -71,6 +71,8 @@ HOOK_MODULES = (
     "sglang_nsa_cp.sglang_ext.server_args",
     "sglang_nsa_cp.sglang_ext.arg_groups.parallel_hook",
     "sglang_nsa_cp.sglang_ext.mem_cache.kv_cache_configurator",
+    "sglang_nsa_cp.sglang_ext.mem_cache.page_interleave",
+    "sglang_nsa_cp.sglang_ext.mem_cache.page_interleave_pool",
     "sglang_nsa_cp.sglang_ext.layers.cp.utils",
     "sglang_nsa_cp.sglang_ext.layers.logits_processor",
     "sglang_nsa_cp.sglang_ext.disaggregation.common.conn",

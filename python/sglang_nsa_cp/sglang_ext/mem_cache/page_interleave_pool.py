@@ -1,0 +1,69 @@
+"""SGLang's page-interleaved DSA pool with the Hopper delta. Mirrors
+`sglang/srt/mem_cache/page_interleave_pool.py`.
+
+Target: `page_interleave_pool.PageInterleaveDSATokenToKVPool` (REPLACE, class): SGLang builds this
+pool by that name for the target worker and an MTP draft (`KVCacheConfigurator._build_dsa_kv_pool`,
+`_build_mtp_kv_shard_pool`); the hook registry propagates the replacement to those imports. The
+subclass is a drop-in: without `--enable-nsa-prefill-cp-shared-kv` (SGLang's own
+`--enable-kv-cache-sharding` on Blackwell) it stores the same bytes at the same rows.
+
+N = 2, page 64, SGLang's placement (`page_interleave.PageInterleavePlacement`):
+
+    logical page    0  1 | 2  3 | 4  5 | 6  7      (pages 0..N-1: SGLang's padding pages)
+    owner (p % 2)   0  1 | 0  1 | 0  1 | 0  1
+    local (p // 2)  0  0 | 1  1 | 2  2 | 3  3
+
+    an extend's scratch slot, one layer:  [ prefix, owner-major | chunk | trash page ]
+
+What it changes, each for a measured reason (docs/sglang_plugin.md):
+- an fp8 pool (FlashMLA's 656-byte rows) quantizes a chunk once: SGLang's pool quantizes it for the
+  scratch and again for the owned rows (`quantize_k_cache_separate` twice per layer).
+- a batch without cached history zeroes scratch row 0: SGLang's DSA readers touch row 0 for
+  padded entries (masked, as they touch a replicated pool's padding slot 0), and in such a batch
+  nothing else writes it, so it holds whatever the last batch or the allocator left; NaN there
+  reaches the logits (the CPU forward test poisons the scratch to show it).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from sglang.srt.mem_cache import memory_pool
+from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
+from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveDSATokenToKVPool as SGLangPool
+
+
+class PageInterleaveDSATokenToKVPool(SGLangPool):
+    """`PageInterleaveDSATokenToKVPool` with the overrides of the module docstring."""
+
+    def begin_shard_extend(self, req_to_token, req_pool_indices, prefix_lens_cpu, seq_lens_cpu) -> None:
+        super().begin_shard_extend(req_to_token, req_pool_indices, prefix_lens_cpu, seq_lens_cpu)
+        if self._block_pages == 0:  # no history gathered: row 0 is nobody's (see the module docstring)
+            for slot in self._slots:
+                for tensor in slot.tensors.values():  # latent row 0; index page 0 (its row 0's key)
+                    tensor[:1].zero_()
+
+    def set_mla_kv_buffer(self, layer, loc_info, cache_k_nope, cache_k_rope, layer_id_override: Optional[int] = None):
+        """Stage the whole chunk into the layer's scratch slot and persist the owned rows, from one
+        quantization (fp8); bf16 rows go through SGLang's path unchanged."""
+        if not self.dsa_kv_cache_store_fp8:
+            return super().set_mla_kv_buffer(layer, loc_info, cache_k_nope, cache_k_rope, layer_id_override)
+        loc, _, _ = unwrap_write_loc(loc_info)
+        layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
+        nope, rope = memory_pool.quantize_k_cache_separate(cache_k_nope, cache_k_rope)
+        if self._shard_extend_active:
+            slot = self._slots[layer_id % 2]
+            self._scatter_mla_rows(slot.tensors["kv"], self._translate_loc_cached(loc), nope, rope)
+        owned_idx, local_rows = self._get_write_plan(loc)
+        if owned_idx.numel():
+            self._scatter_mla_rows(
+                self.kv_buffer[layer_id - self.start_layer],
+                local_rows,
+                nope.index_select(0, owned_idx),
+                rope.index_select(0, owned_idx),
+            )
+
+
+HOOKS = [
+    ("sglang.srt.mem_cache.page_interleave_pool.PageInterleaveDSATokenToKVPool", PageInterleaveDSATokenToKVPool, "REPLACE"),
+]
