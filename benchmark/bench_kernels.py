@@ -1,6 +1,7 @@
 """Bandwidth of the shared-KV kernels on CUDA, next to a device copy and plain torch (GPU, ~1 min).
 
     PYTHONPATH=python python benchmark/bench_kernels.py [--sizes 16,64,256] [--out DIR] [--plot] [--sweep]
+        [--only rerange,materialize,store,fp8_store_sglang] [--tokens 8192] [--dry-run]
 
 For every kernel and row kind (bf16 latent rows of 1152 bytes, FlashMLA fp8 rows of 656 bytes,
 index rows of 132 bytes, and 64-token pages of each) and input size, the run:
@@ -22,7 +23,15 @@ rows, as when key and scale travel as two tensors); materialize = gather_rows of
 random page permutation; materialize-scatter = scatter_rows of token rows into page-ordered dense
 rows (pages in random order) or of pages by a permutation; store = store_owned_* at rank 0 of CP N,
 either from the all-gathered batch ("gathered", about 1/N of the rows owned) or from the rank's
-own rows under compute-owner allocation ("local", all owned).
+own rows under compute-owner allocation ("local", all owned); fp8-store-sglang =
+store_mla_fp8_owned_and_scratch at rank 0 of CP 2, 4, 8 for --tokens tokens (not --sizes): every
+row to the layer's scratch, the owned ones to the shard, against what SGLang's
+PageInterleaveDSATokenToKVPool.set_mla_kv_buffer does (quantize_k_cache_separate twice, the owned
+rows index_select-ed first, then two stores: index_copy_ of the nope and rope parts, or SGLang's
+set_mla_kv_buffer_triton where it runs). All three write the same bytes (checked first).
+
+--dry-run checks the fp8-store-sglang cases on CPU under TRITON_INTERPRET=1 (use a small --tokens,
+e.g. 130) and times nothing.
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ import torch
 import triton
 
 from sglang_nsa_cp.cli import comma_list, format_table
-from sglang_nsa_cp.kernels import copy_rows, formats, index_k_store, mla_fp8_store
+from sglang_nsa_cp.kernels import copy_rows, formats, index_k_store, mla_fp8_owned_and_scratch, mla_fp8_store
 from sglang_nsa_cp.layout.split import plan_split
 
 MIB = 1 << 20
@@ -57,7 +66,7 @@ ROW_KINDS = {  # name: (dtype, elements per row)
 }
 # Index K without its scale: how 132-byte rows move when key and scale travel as two tensors.
 KEY_ROWS = {"index-key-128B": (torch.uint8, 128)}
-GOALS = {"rerange": 0.85, "materialize": 0.90, "materialize-scatter": 0.90, "store": 0.90}
+GOALS = {"rerange": 0.85, "materialize": 0.90, "materialize-scatter": 0.90, "store": 0.90, "fp8-store-sglang": 0.90}
 GOAL_MIN_MIB = 64
 
 
@@ -343,6 +352,97 @@ def store_cases(mib: int) -> list[Case]:
     return cases
 
 
+def fp8_store_sglang_case(tokens: int, n: int) -> Case:
+    """SGLang's sharded DSA pool write of a chunk at rank 0 of CP n: the chunk (replicated on
+    every rank) staged to scratch rows after a page of other rows, the owned ~1/n to the shard."""
+    from sglang.kernels.ops.quantization.dsa_quant_k_cache import quantize_k_cache_separate
+
+    op = mla_fp8_owned_and_scratch
+    pages = -(-tokens // PAGE)
+    pages += -pages % n
+    slots = random_pages_slots(pages, tokens) + n * PAGE  # never the reserved first n pages
+    shard = torch.empty(((pages + n) // n * PAGE, formats.MLA_FP8_ROW_BYTES), dtype=torch.uint8, device=DEV)
+    scratch = torch.empty((pages * PAGE + 2 * PAGE, formats.MLA_FP8_ROW_BYTES), dtype=torch.uint8, device=DEV)
+    scratch_rows = PAGE + torch.arange(tokens, device=DEV)
+    # As DeepSeek's attention passes them: k_nope a [T, 1, 512] tensor, k_rope a slice of the latent.
+    latent = torch.randn(tokens, 1, formats.MLA_DIM, device=DEV) * torch.exp(torch.randn(tokens, 1, 1, device=DEV))
+    latent = latent.to(torch.bfloat16)
+    k_nope, k_rope = latent[..., : formats.MLA_NOPE_DIM].contiguous(), latent[..., formats.MLA_NOPE_DIM :]
+    # SGLang caches this write plan per batch (_get_write_plan): computed outside the timed region.
+    local = formats.owned_physical_rows(slots, 0, n, PAGE)
+    owned_idx = (local >= 0).nonzero().squeeze(1)
+    local_rows = local[owned_idx]
+    nope_bytes = formats.MLA_NOPE_DIM + 4 * (formats.MLA_NOPE_DIM // formats.MLA_FP8_BLOCK)
+    args = (scratch_rows, shard, slots, k_nope, k_rope, 0, n, PAGE)
+
+    def index_copy_parts(dst, rows, nope, rope):
+        dst[:, :nope_bytes].index_copy_(0, rows, nope.squeeze(1))
+        dst[:, nope_bytes:].index_copy_(0, rows, rope.squeeze(1))
+
+    def set_mla_kv_buffer(dst, rows, nope, rope):
+        from sglang.kernels.ops.kvcache.mla_buffer import set_mla_kv_buffer_triton
+
+        set_mla_kv_buffer_triton(dst, rows, nope, rope)
+
+    def sglang_pool(store):
+        def write():
+            store(scratch, scratch_rows, *quantize_k_cache_separate(k_nope, k_rope))
+            owned = quantize_k_cache_separate(k_nope.index_select(0, owned_idx), k_rope.index_select(0, owned_idx))
+            store(shard, local_rows, *owned)
+
+        return write
+
+    torch_fns = {
+        "sglang x2+index_copy_": sglang_pool(index_copy_parts),
+        "sglang x2+set_mla_kv_buffer_triton": sglang_pool(set_mla_kv_buffer),
+    }
+
+    def check():
+        got = op.store_mla_fp8_owned_and_scratch_triton(poison(scratch), scratch_rows, poison(shard), *args[2:])
+        got = [t.clone() for t in got]
+        want = op.store_mla_fp8_owned_and_scratch_torch(poison(scratch), scratch_rows, poison(shard), *args[2:])
+        ok = all(map(same_bytes, got, want))
+        for name in list(torch_fns):
+            poison(scratch), poison(shard)
+            try:
+                torch_fns[name]()
+            except (ImportError, RuntimeError) as exc:  # SGLang's JIT store needs its toolchain
+                print(f"fp8-store-sglang: {name} does not run here ({type(exc).__name__}: {exc}); not timed")
+                del torch_fns[name]
+                continue
+            ok &= same_bytes(scratch, got[0]) and same_bytes(shard, got[1])
+        return ok
+
+    return Case(
+        "store_mla_fp8_owned_and_scratch",
+        "fp8-store-sglang",
+        "bf16 -> fp8-656B x2",
+        f"{tokens} tok gathered cp{n}",
+        tokens * formats.MLA_DIM * 2 // MIB,
+        tokens * (formats.MLA_DIM * 2 + formats.MLA_FP8_ROW_BYTES) + owned_idx.numel() * formats.MLA_FP8_ROW_BYTES,
+        lambda: op.store_mla_fp8_owned_and_scratch_triton(scratch, *args),
+        torch_fns,
+        check,
+    )
+
+
+def fp8_store_sglang_cases(tokens: int) -> list[Case]:
+    return [fp8_store_sglang_case(tokens, n) for n in (2, 4, 8)]
+
+
+def dry_run(tokens: list[int]) -> None:
+    """Correctness of the fp8-store-sglang cases on CPU (Triton's interpreter); nothing timed."""
+    global DEV
+    DEV = torch.device("cpu")
+    bad = []
+    for t in tokens:
+        for case in fp8_store_sglang_cases(t):
+            ok = case.check()
+            print(f"dry run {case.kernel} {case.pattern}: {'ok' if ok else 'BAD'} (against {list(case.torch_fns)})")
+            bad += [] if ok else [case.pattern]
+    sys.exit(f"{len(bad)} cases differ: {bad}" if bad else 0)
+
+
 # ---- timing ----------------------------------------------------------------------------------
 class Timer:
     """Median CUDA-event time of one call, L2 flushed before each run."""
@@ -422,6 +522,7 @@ SWEEP_MODULES = {
     "narrow": copy_rows,
     "fp8": mla_fp8_store,
     "index": index_k_store,
+    "fp8_sglang": mla_fp8_owned_and_scratch,
 }
 SWEEPS = {
     "copy": (("COPY_BYTES_PER_PROGRAM", "COPY_NUM_WARPS"), [(2048, 4), (4096, 4), (8192, 4)], _in_copy_sweep),
@@ -444,6 +545,11 @@ SWEEPS = {
         ("INDEX_ROWS_PER_PROGRAM", "INDEX_NUM_WARPS"),
         [(32, 4), (64, 4)],
         lambda c: c.kernel == "store_owned_index_k" and c.pattern.endswith("cp4"),
+    ),
+    "fp8_sglang": (
+        ("FP8_ROWS_PER_PROGRAM", "FP8_NUM_WARPS"),
+        [(4, 2), (4, 4), (8, 4), (16, 8)],
+        lambda c: c.kernel == "store_mla_fp8_owned_and_scratch",
     ),
 }
 
@@ -488,6 +594,8 @@ def apply_best(rows: list[dict]) -> None:
         for r in rows:
             if r["family"] == family:
                 scores.setdefault(tuple(r["config"]), []).append(math.log(r["of_copy"]))
+        if not scores:  # no case of this family ran (--only)
+            continue
         best = max(scores, key=lambda c: statistics.fmean(scores[c]))
         for n, v in zip(names, best, strict=True):
             setattr(SWEEP_MODULES[family], n, v)
@@ -589,6 +697,14 @@ def plot(results: list[dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=110, bbox_inches="tight")
 
 
+GROUPS = {  # --only: name -> the cases of one input size (MiB; tokens for fp8_store_sglang)
+    "rerange": rerange_cases,
+    "materialize": materialize_cases,
+    "store": store_cases,
+    "fp8_store_sglang": fp8_store_sglang_cases,
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -600,7 +716,26 @@ def main() -> None:
     parser.add_argument(
         "--sweep", action="store_true", help="first time launch shapes (64 MiB and the largest size) and use the best"
     )
+    parser.add_argument(
+        "--only",
+        type=comma_list(str, noun="group"),
+        default=list(GROUPS),
+        help=f"case groups to run, comma-separated, of {','.join(GROUPS)}",
+    )
+    parser.add_argument(
+        "--tokens", type=comma_list(low=1), default=[8192], help="chunk tokens of the fp8_store_sglang cases"
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check the fp8_store_sglang cases on CPU (TRITON_INTERPRET=1), no timing"
+    )
     args = parser.parse_args()
+    unknown = sorted(set(args.only) - set(GROUPS))
+    if unknown:
+        parser.error(f"--only {','.join(unknown)}: unknown group; expected some of {','.join(GROUPS)}")
+    if args.dry_run:
+        if not triton.knobs.runtime.interpret:
+            sys.exit("--dry-run runs Triton's interpreter on CPU: set TRITON_INTERPRET=1")
+        dry_run(args.tokens)
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA device")
     if triton.knobs.runtime.interpret:
@@ -611,20 +746,23 @@ def main() -> None:
     print(" ".join(f"{k}={v}" for k, v in info.items()))
     timer = Timer(args.iters, warmup=5)
 
+    per_size = [GROUPS[g] for g in args.only if g != "fp8_store_sglang"]
+    per_tokens = [fp8_store_sglang_cases] if "fp8_store_sglang" in args.only else []
     sweep_rows = []
     if args.sweep:
-        for mib in sorted({GOAL_MIN_MIB, max(sizes)}):  # compiled shapes are reused across sizes
-            sweep_rows += sweep(rerange_cases(mib) + materialize_cases(mib) + store_cases(mib), timer)
+        for mib in sorted({GOAL_MIN_MIB, max(sizes)}) if per_size else []:  # shapes are reused across sizes
+            sweep_rows += sweep([case for make in per_size for case in make(mib)], timer)
             torch.cuda.empty_cache()
+        for tokens in args.tokens if per_tokens else []:
+            sweep_rows += sweep(fp8_store_sglang_cases(tokens), timer)
         apply_best(sweep_rows)
         info["launch_shapes"] = machine()["launch_shapes"]
 
     results = []
-    for mib in sizes:
-        for make in (rerange_cases, materialize_cases, store_cases):
-            for case in make(mib):
-                results.append(measure(case, timer))
-            torch.cuda.empty_cache()
+    for make, size in [(m, mib) for mib in sizes for m in per_size] + [(m, t) for t in args.tokens for m in per_tokens]:
+        for case in make(size):
+            results.append(measure(case, timer))
+        torch.cuda.empty_cache()
     print_table(results)
     misses = goal_misses(results)
     print(

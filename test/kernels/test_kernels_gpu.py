@@ -29,7 +29,7 @@ from helpers.gpu_only import skip_unless_compiled_triton_on_cuda  # noqa: E402
 skip_unless_compiled_triton_on_cuda()
 
 from sglang_nsa_cp import kernels  # noqa: E402
-from sglang_nsa_cp.kernels import copy_rows, formats, index_k_store, mla_fp8_store  # noqa: E402
+from sglang_nsa_cp.kernels import copy_rows, formats, index_k_store, mla_fp8_owned_and_scratch, mla_fp8_store  # noqa: E402
 
 from helpers import kernel_bytes  # noqa: E402
 from helpers.kernel_bytes import POISON, assert_bytes_equal, every_bf16_block_value, seed_torch  # noqa: E402
@@ -173,6 +173,64 @@ def test_fp8_division_of_every_bf16_value_by_every_scale(fp8_store):
         slots = torch.arange(kv.shape[0], device=DEV)
         got = fp8_store(poisoned(kv.shape[0], torch.uint8, 656), slots, kv, 0, 1, PAGE)
         assert_bytes_equal(f"fp8 codes for bf16 amax bits {first:#x}..", got, formats.quantize_mla_fp8(kv))
+
+
+# ---- SGLang's fp8 rounding: store_mla_fp8_owned_and_scratch -----------------------------------
+def store_sglang_fp8(impl, kv, scratch_rows, slots, rank, cp_size, shard_rows):
+    fn = getattr(mla_fp8_owned_and_scratch, f"store_mla_fp8_owned_and_scratch_{impl}")
+    scratch = poisoned(int(scratch_rows.max()) + 2, torch.uint8, 656)
+    shard = poisoned(shard_rows, torch.uint8, 656)
+    return fn(scratch, scratch_rows, shard, slots, kv[:, :512], kv[:, 512:], rank, cp_size, PAGE)
+
+
+@pytest.mark.parametrize("cp_size,tokens", [(1, 8192), (4, 131072), (8, 131072 - 5)])
+def test_store_mla_fp8_owned_and_scratch(seed, cp_size, tokens):
+    """Triton kernel (run first) against the reference, i.e. SGLang's quantize_k_cache_separate,
+    compiled: scratch and shard, every rank."""
+    pages = tokens // PAGE + 2
+    pages += -pages % cp_size
+    slots = logical_slots(tokens, pages)
+    scratch_rows = with_skips(torch.randperm(tokens, device=DEV) + 1)
+    kv = torch.randn(tokens, 576, device=DEV) * torch.exp(torch.randn(tokens, 1, device=DEV) * 4)
+    kv[torch.rand(kv.shape, device=DEV) < 0.02] = 0.0
+    kv[:3, 128:256] = 0.0
+    kv = kv.to(torch.bfloat16)
+    for rank in range(cp_size):
+        name = f"SGLang-rounding fp8 store {cp_size=} {rank=} {tokens=} {seed=}"
+        got = store_sglang_fp8("triton", kv, scratch_rows, slots, rank, cp_size, pages // cp_size * PAGE)
+        want = store_sglang_fp8("torch", kv, scratch_rows, slots, rank, cp_size, pages // cp_size * PAGE)
+        assert_bytes_equal(f"{name} scratch", got[0], want[0])
+        assert_bytes_equal(f"{name} shard", got[1], want[1])
+
+
+def test_sglang_fp8_rounding_of_every_bf16_value_by_every_scale():
+    """Same Triton operations as SGLang's quantizer, so the same bytes, for every bf16 amax
+    (zero, subnormal and huge scales included) and every bf16 x with |x| <= amax."""
+    finite_positive = 0x7F7F
+    for first in range(0, finite_positive + 1, 512):
+        amax_bits = torch.arange(first, min(first + 512, finite_positive + 1), dtype=torch.int32, device=DEV)
+        kv = every_scale_and_value_rows(amax_bits)
+        rows = torch.arange(kv.shape[0], device=DEV)
+        got = store_sglang_fp8("triton", kv, rows, rows, 0, 1, kv.shape[0])
+        want = store_sglang_fp8("torch", kv, rows, rows, 0, 1, kv.shape[0])
+        assert_bytes_equal(f"SGLang fp8 codes for bf16 amax bits {first:#x}.. (scratch)", got[0], want[0])
+        assert_bytes_equal(f"SGLang fp8 codes for bf16 amax bits {first:#x}.. (shard)", got[1], want[1])
+
+
+def test_sglang_fp8_rounding_of_non_finite_values():
+    kv = torch.randn(6, 576, device=DEV)
+    kv[0] = 0.0
+    kv[1] = -0.0
+    kv[2, 7] = float("inf")
+    kv[3, 300] = float("-inf")
+    kv[4, 200] = float("nan")
+    kv[5, :128] = float("nan")
+    kv = kv.to(torch.bfloat16)
+    rows = torch.arange(6, device=DEV)
+    got = store_sglang_fp8("triton", kv, rows, rows, 0, 1, 6)
+    want = store_sglang_fp8("torch", kv, rows, rows, 0, 1, 6)
+    assert_bytes_equal("SGLang fp8 of zero, inf and NaN blocks (scratch)", got[0], want[0])
+    assert_bytes_equal("SGLang fp8 of zero, inf and NaN blocks (shard)", got[1], want[1])
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 8])

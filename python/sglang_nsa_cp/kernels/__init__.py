@@ -3,7 +3,8 @@
 Each op lives in one module with its Triton kernel and launcher (`<op>_triton`), its torch
 reference (`<op>_torch`, the semantics) and the named input checks both run:
 `copy_rows.py` (gather_rows, scatter_rows, store_owned_rows), `mla_fp8_store.py`
-(store_owned_mla_fp8, plus a CUDA kernel, `<op>_cuda`, built on first use) and
+(store_owned_mla_fp8, plus a CUDA kernel, `<op>_cuda`, built on first use),
+`mla_fp8_owned_and_scratch.py` (store_mla_fp8_owned_and_scratch, SGLang's fp8 rounding) and
 `index_k_store.py` (store_owned_index_k). Row formats and their constants: `formats.py`.
 
 Dispatch rule, from the tensors' device and `SGLANG_NSA_CP_KERNELS` (read on first use):
@@ -29,7 +30,7 @@ from types import ModuleType
 import torch
 
 from sglang_nsa_cp.envs import envs
-from sglang_nsa_cp.kernels import copy_rows, index_k_store, mla_fp8_store
+from sglang_nsa_cp.kernels import copy_rows, index_k_store, mla_fp8_owned_and_scratch, mla_fp8_store
 from sglang_nsa_cp.kernels.checks import KernelUnsupported
 from sglang_nsa_cp.kernels.formats import dequantize_mla_fp8, owned_physical_rows, quantize_mla_fp8, read_index_k
 from sglang_nsa_cp.kernels.triton_common import TRITON_IMPORT_ERROR, NoTriton, TritonError
@@ -39,6 +40,7 @@ __all__ = [
     "scatter_rows",
     "store_owned_rows",
     "store_owned_mla_fp8",
+    "store_mla_fp8_owned_and_scratch",
     "store_owned_index_k",
     "owned_physical_rows",
     "quantize_mla_fp8",
@@ -57,6 +59,7 @@ OP_MODULES: dict[str, ModuleType] = {
     "scatter_rows": copy_rows,
     "store_owned_rows": copy_rows,
     "store_owned_mla_fp8": mla_fp8_store,
+    "store_mla_fp8_owned_and_scratch": mla_fp8_owned_and_scratch,
     "store_owned_index_k": index_k_store,
 }
 _CUDA_OPS = ("store_owned_mla_fp8",)  # ops with a CUDA kernel
@@ -168,6 +171,43 @@ def store_owned_mla_fp8(
     """Fused quantize + store of owned bf16 latent rows kv [T, 576] into uint8 [R, 656]
     FlashMLA fp8 rows (`quantize_mla_fp8`, bitwise in every implementation); slots [T]."""
     return _run("store_owned_mla_fp8", shard.device, shard, slots, kv, rank, cp_size, page_size)
+
+
+def store_mla_fp8_owned_and_scratch(
+    scratch: torch.Tensor,
+    scratch_rows: torch.Tensor,
+    shard: torch.Tensor,
+    slots: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_rope: torch.Tensor,
+    rank: int,
+    cp_size: int,
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's fp8 quantization of a chunk, once, stored to the scratch and to the owned shard rows.
+
+    row_i = quantize_k_cache_separate(k_nope, k_rope)[i] as one FlashMLA fp8 row (bitwise: scale =
+    amax / 448, codes = e4m3(clamp(x * (1 / scale)))); scratch[scratch_rows[i]] = row_i where
+    scratch_rows[i] >= 0; shard[owned_physical_rows(slots[i])] = row_i where `rank` owns slots[i]
+    (other shard rows untouched, no host sync).
+
+    scratch [S, 656], shard [R, 656] uint8; scratch_rows, slots [T] int32/int64 (-1: skip);
+    k_nope bf16 [T, 512] or [T, 1, 512]; k_rope bf16 [T, 64] or [T, 1, 64]. Returns (scratch, shard).
+    The torch reference runs SGLang's Triton quantizer: CUDA tensors, or TRITON_INTERPRET=1.
+    """
+    return _run(
+        "store_mla_fp8_owned_and_scratch",
+        shard.device,
+        scratch,
+        scratch_rows,
+        shard,
+        slots,
+        k_nope,
+        k_rope,
+        rank,
+        cp_size,
+        page_size,
+    )
 
 
 def store_owned_index_k(
