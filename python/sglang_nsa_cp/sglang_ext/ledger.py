@@ -235,13 +235,13 @@ def _problem(point: PatchPoint) -> str | None:
     return None
 
 
-def check_patch_points(points: tuple[PatchPoint, ...] | None = None) -> list[str]:
+def check_patch_points() -> list[str]:
     """One problem per patch point that is not in place, naming the hook, its target and the fix.
 
     Run it after SGLang's `load_plugins()` (registration, then `HookRegistry.apply_hooks()`); the
     start-up checks do, during argument resolution, which every SGLang entry point runs after it."""
     problems = []
-    for point in LEDGER if points is None else points:
+    for point in LEDGER:
         problem = _problem(point)
         if problem:
             problems.append(f"hook {point.hook} ({point.kind} `{point.target}`): {problem}")
