@@ -1,4 +1,4 @@
-"""CPU, ~25 s: the patch ledger (sglang_ext/ledger.py) against the installed SGLang 0.5.23.
+"""CPU, ~10-20 s: the patch ledger (sglang_ext/ledger.py) against the installed SGLang 0.5.23.
 
 Every target resolves with its recorded signature and is patched after SGLang's `load_plugins()`;
 a renamed target, a changed signature or an unpatched target makes the start-up validation of
@@ -32,7 +32,7 @@ from sglang_nsa_cp.sglang_ext.ledger import (  # noqa: E402
     markdown_table,
 )
 
-register_cpu_ci(est_time=25, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=20, suite="nsa-cp-test-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAG = "--enable-nsa-prefill-cp-shared-kv"
