@@ -570,7 +570,9 @@ def _decode_pool_from_page_owners(engine):
                          (shared.index_k_with_scale_buffer[layer], full.index_k_with_scale_buffer[layer])):  # fmt: skip
             mine = src[:local_pages].contiguous()
             gathered = mine.new_empty((n * local_pages, *mine.shape[1:]))
-            dist.all_gather_into_tensor(gathered.view(torch.uint8), mine.view(torch.uint8), group=shared.shard_group.cpu_group)
+            dist.all_gather_into_tensor(
+                gathered.view(torch.uint8), mine.view(torch.uint8), group=shared.shard_group.cpu_group
+            )
             gathered = gathered.view(n, local_pages, -1)
             logical = torch.arange(n, pages, device=gathered.device)  # pages 0..N-1: SGLang's padding pages
             dst[n:pages] = gathered[logical % n, logical // n]

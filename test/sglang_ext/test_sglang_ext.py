@@ -110,12 +110,17 @@ def test_register_installs_every_hook(plugin):
     from sglang.srt.arg_groups import resolution_hooks
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    for module in plugin.hook_modules():
-        for target, hook, _ in getattr(module, "HOOKS", ()):
-            assert target in HookRegistry._patched, f"{target} not patched"
-            assert any(h is hook for _, h, _ in HookRegistry._hooks[target]), f"{hook.__name__} not on {target}"
-        for step, hook in getattr(module, "RESOLUTION_HOOKS", ()):
-            assert hook in resolution_hooks._HOOKS[step], f"{hook.__name__} not on step {step}"
+    from sglang_nsa_cp.sglang_ext.ledger import LEDGER
+
+    for point in LEDGER:  # every patch point, as test_ledger.py checks in depth
+        hook = point.load_hook()
+        if point.kind == "RESOLUTION":
+            assert hook in resolution_hooks._HOOKS[point.step], f"{point.hook} not on step {point.step}"
+        else:
+            assert point.target in HookRegistry._patched, f"{point.target} not patched"
+            assert any(h is hook for _, h, _ in HookRegistry._hooks[point.target]), (
+                f"{point.hook} not on {point.target}"
+            )
     plugin.register()  # a second call (a second load_plugins in the process) registers nothing twice
     from sglang_nsa_cp.sglang_ext.arg_groups.parallel_hook import validate_then
 

@@ -65,9 +65,3 @@ def is_enabled() -> bool:
     except ValueError:  # "Global server args is not set yet!"
         return envs.SGLANG_NSA_CP_SHARED_KV.get()
     return bool(getattr(server_args, ATTR, False))
-
-
-HOOKS = [
-    ("sglang.srt.server_args.ServerArgs.add_cli_args", add_cli_args, "AFTER"),
-    ("sglang.srt.server_args.ServerArgs.from_cli_args", from_cli_args, "AROUND"),
-]

@@ -12,6 +12,12 @@ Resolution hooks (`sglang.srt.arg_groups.resolution_hooks.register_resolution_ho
   more at the very end of resolution, after late capability adjustments that can still change
   the attention backend or speculative settings.
 
+The checks include the patch ledger's (`ledger.check_patch_points()`): every hook target still
+resolves, has the signature recorded for SGLang 0.5.23 and is patched. Every SGLang entry point
+(`launch_server`, `sglang serve`, `Engine.__init__`) calls `load_plugins()`, which registers and
+applies the hooks, before it resolves the arguments; schedulers get the resolved record and run the
+same `load_plugins()` on the same installation.
+
 All of it runs inside `ServerArgs.resolve_once()`, i.e. in the launcher (`launch_server`,
 `Engine`) before any scheduler process starts or any weight is loaded. Every problem found is
 reported in one `SharedKVConfigError` (a ValueError, as SGLang's own resolution errors), each
@@ -27,6 +33,7 @@ from typing import Any, Callable
 from sglang.srt.arg_groups.overrides import model_config_of, resolving_view
 from sglang.srt.model_executor.cuda_graph_config import Backend
 
+from sglang_nsa_cp.sglang_ext.ledger import check_patch_points
 from sglang_nsa_cp.sglang_ext.server_args import ATTR, FLAG, requested
 
 logger = logging.getLogger(__name__)
@@ -182,6 +189,7 @@ def find_problems(server_args: Any) -> list[str]:
     version = check_sglang_version()
     if version:
         problems.append(version)
+    problems += check_patch_points()  # SGLang's load_plugins() applied the hooks before resolution
     if str(cfg.model_path).lower() in ("none", "dummy"):
         return problems + [
             f"needs a real DSA checkpoint, got --model-path {cfg.model_path}; pass the model or drop {FLAG}"
@@ -312,10 +320,3 @@ def validate_then(server_args: Any, previous: Callable[[Any], None]) -> None:
     """Our check first (so its message, not a later generic one, names the problem), then SGLang's step."""
     validate(server_args)
     previous(server_args)
-
-
-RESOLUTION_HOOKS = [
-    ("validate_prefill_cp_platform", refuse_unvalidatable),
-    ("handle_context_parallelism", validate_then),
-    ("handle_kv_cache_sharding", validate_then),
-]

@@ -62,12 +62,3 @@ def allocate_grouped_by_owner(original, self, allocator, **kwargs):
             cp_size,
         )
     return regroup_token_slots(kv_loc, allocator.page_size, cp_size)
-
-
-HOOKS = [
-    (
-        "sglang.srt.disaggregation.decode.DecodePreallocQueue._alloc_for_decode_prealloc",
-        allocate_grouped_by_owner,
-        "AROUND",
-    ),
-]

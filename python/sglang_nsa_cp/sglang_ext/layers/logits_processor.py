@@ -38,8 +38,3 @@ def get_pruned_states(original, self, hidden_states, hidden_states_before_norm, 
         #  input_logprob_indices, token_to_seq_idx), as SGLang's no-logprob extend branch
         return hidden_states, None, None, None, None, []
     return original(self, hidden_states, hidden_states_before_norm, aux_hidden_states, logits_metadata)
-
-
-HOOKS = [
-    ("sglang.srt.layers.logits_processor.LogitsProcessor._get_pruned_states", get_pruned_states, "AROUND"),
-]

@@ -153,15 +153,3 @@ def build_allocator(original, self, *, sizes, token_to_kv_pool, token_to_kv_pool
         need_sort=get_disagg().disaggregation_mode in ("decode", "prefill"),  # as SGLang's own branch
         shard_spec=None,  # no admission gate on SGLang's sharding scratch: the pool reserves its own
     )
-
-
-HOOKS = [
-    ("sglang.srt.mem_cache.page_interleave.compute_page_shard_scratch_bytes", scratch_bytes, "AROUND"),
-    ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._derive_pool_sizes", derive_pool_sizes, "AROUND"),
-    ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_dsa_kv_pool", build_dsa_kv_pool, "AROUND"),
-    (
-        "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool_allocator",
-        build_allocator,
-        "AROUND",
-    ),
-]

@@ -45,5 +45,3 @@ def make_page_shard_spec(original, kvc):
         contexts=envs.SGLANG_NSA_CP_SCRATCH_CONTEXTS.get(),
     )
 
-
-HOOKS = [("sglang.srt.mem_cache.page_interleave.make_page_shard_spec", make_page_shard_spec, "AROUND")]

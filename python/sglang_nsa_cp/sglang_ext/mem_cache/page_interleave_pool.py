@@ -63,7 +63,3 @@ class PageInterleaveDSATokenToKVPool(SGLangPool):
                 rope.index_select(0, owned_idx),
             )
 
-
-HOOKS = [
-    ("sglang.srt.mem_cache.page_interleave_pool.PageInterleaveDSATokenToKVPool", PageInterleaveDSATokenToKVPool, "REPLACE"),
-]

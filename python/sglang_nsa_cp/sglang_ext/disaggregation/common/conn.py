@@ -378,20 +378,3 @@ def forget_received_room(original, self, *args, **kwargs):
         inbox = _state(self.kv_mgr, _INBOX)
         for key in [k for k in list(inbox) if k[0] == room]:
             inbox.pop(key, None)
-
-
-_COMMON = "sglang.srt.disaggregation.common.conn"
-HOOKS = [
-    (f"{_COMMON}.CommonKVManager.__init__", init_owner_sharded_manager, "AROUND"),
-    (f"{_COMMON}.get_zmq_socket_on_host", limit_status_frames, "AROUND"),
-    (f"{_COMMON}.CommonKVManager._register_topology_row", advertise_all_cp_ranks, "AROUND"),
-    (f"{_COMMON}.CommonKVManager.conclude_transfer", check_before_concluding, "AROUND"),
-    (f"{_COMMON}.CommonKVManager._encode_kv_status_message", attach_manifest, "AROUND"),
-    (f"{_COMMON}.CommonKVSender._prepare_send_indices", expect_owned_kv_pages, "AROUND"),
-    (f"{_COMMON}.CommonKVSender.clear", forget_sent_room, "AROUND"),
-    (f"{_COMMON}.CommonKVManager.parse_kv_status_message", read_manifest, "AROUND"),
-    (f"{_COMMON}.CommonKVManager.apply_prefill_status", verify_before_success, "AROUND"),
-    (f"{_COMMON}.CommonKVReceiver.send_metadata", record_expectation, "AROUND"),
-    (f"{_COMMON}.CommonKVReceiver._check_waiting_timeout", name_silent_ranks, "AROUND"),
-    (f"{_COMMON}.CommonKVReceiver._clear", forget_received_room, "AROUND"),
-]

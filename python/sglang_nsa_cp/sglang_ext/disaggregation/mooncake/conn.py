@@ -107,10 +107,3 @@ def send_owned_index_pages(original, self, req, prefill_state_indices, executor,
         dst_lists[i] = dst[mine].astype(np.int32).tolist()
     req = dataclasses.replace(req, dst_state_indices=dst_lists)
     return original(self, req, indices, executor, *args, **kwargs)
-
-
-_MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
-HOOKS = [
-    (f"{_MOONCAKE}.MooncakeKVManager.add_transfer_request", queue_owned_kv_pages, "AROUND"),
-    (f"{_MOONCAKE}.MooncakeKVManager.maybe_send_extra", send_owned_index_pages, "AROUND"),
-]

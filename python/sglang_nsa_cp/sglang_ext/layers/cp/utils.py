@@ -78,6 +78,3 @@ def cp_gather_after_forward(original, x, forward_batch, stream=None):
     parallel = get_parallel()
     plan = tail_plan(forward_batch, parallel.attn_cp_size)
     return gather_last_token_hidden(x, plan, parallel.attn_cp_rank, parallel.attn_cp_group.device_group)
-
-
-HOOKS = [("sglang.srt.layers.cp.utils.cp_gather_after_forward", cp_gather_after_forward, "AROUND")]

@@ -1,0 +1,281 @@
+"""The patch ledger: every point where the plugin changes SGLang 0.5.23, as data.
+
+`register()` (`sglang_ext/__init__.py`) installs the entries of `LEDGER` in its order: HookRegistry
+hooks (BEFORE / AFTER / AROUND / REPLACE), which SGLang's `load_plugins()` then applies, and
+RESOLUTION steps (`register_resolution_hook`). SGLang's `HookRegistry.apply_hooks()` only logs a
+target it cannot patch and carries on, so `check_patch_points()` fails closed: start-up validation
+of `--enable-nsa-prefill-cp-shared-kv` (`arg_groups/parallel_hook.py`) refuses to start, naming the
+hook, when a target no longer resolves, its signature changed, or its hook is not installed.
+
+    python -m sglang_nsa_cp.sglang_ext.ledger                 # the table docs/sglang_plugin.md carries
+    python -m sglang_nsa_cp.sglang_ext.ledger --fingerprints  # current fingerprints, to re-record
+
+Adding a hook: write it in the module that mirrors the target's SGLang file, add a `PatchPoint`
+here (its fingerprint from `--fingerprints`), paste the table into docs/sglang_plugin.md and update
+the counts there. Removing one: delete its entry and its function, then the same docs steps.
+Importing this module imports neither sglang nor the hook modules.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import pkgutil
+import sys
+from dataclasses import dataclass
+from importlib import import_module
+
+PACKAGE = "sglang_nsa_cp.sglang_ext"
+KINDS = ("BEFORE", "AFTER", "AROUND", "REPLACE", "RESOLUTION")
+RECORDED_FOR = "0.5.23"  # the SGLang version the fingerprints below were recorded on
+
+
+@dataclass(frozen=True)
+class PatchPoint:
+    """One patched SGLang target.
+
+    target: dotted path in sglang; for RESOLUTION, the resolution step's function (its last
+    segment is the step name). hook: "module:function", the module relative to `PACKAGE`.
+    signature: `fingerprint()` of the target in SGLang `RECORDED_FOR`. why: one line.
+    upstream: the upstream SGLang change that would remove the patch.
+    """
+
+    target: str
+    kind: str
+    hook: str
+    signature: str
+    why: str
+    upstream: str
+
+    def __post_init__(self):
+        assert self.kind in KINDS, f"{self.target}: kind {self.kind!r} not in {KINDS}"
+        assert self.hook.count(":") == 1, f"{self.target}: hook {self.hook!r} is not 'module:function'"
+
+    @property
+    def private(self) -> bool:
+        """Whether any segment of the target is private to SGLang (starts with `_`)."""
+        return any(part.startswith("_") for part in self.target.split("."))
+
+    @property
+    def step(self) -> str:
+        """The resolution step a RESOLUTION entry wraps."""
+        return self.target.rsplit(".", 1)[1]
+
+    def load_hook(self):
+        module, function = self.hook.split(":")
+        return getattr(import_module(f"{PACKAGE}.{module}"), function)
+
+
+_S = "sglang.srt."
+_CONFIGURATOR = f"{_S}mem_cache.kv_cache_configurator.KVCacheConfigurator"
+_COMMON = f"{_S}disaggregation.common.conn"
+_NO_FIELD_API = "a plugin API to declare ServerArgs fields and their CLI flags"
+_PERMANENT = "none (start-up validation is the plugin's own)"
+_OWNER_POOL = "SGLang adopts an owner-sharded DSA pool (PRs #29847, #31435, #35309)"
+_NARROW = "SGLang gathers only last-token rows for CP batches that need no more"
+_SHARDED_PD = "SGLang keys its sharded PD transfer on the pool, not its own flag, and checks coverage on the decode"
+
+# Fixed order: the flag before the validation that reads it, pools before the forward hooks.
+LEDGER: tuple[PatchPoint, ...] = (
+    # server_args.py
+    PatchPoint(f"{_S}server_args.ServerArgs.add_cli_args", "AFTER", "server_args:add_cli_args", "8aa4240c52bb",
+               "declares the flag on SGLang's parser (ServerArgs has no API to add a field)", _NO_FIELD_API),
+    PatchPoint(f"{_S}server_args.ServerArgs.from_cli_args", "AROUND", "server_args:from_cli_args", "d97ace99475b",
+               "copies the flag to `_nsa_cp_shared_kv_requested`, which SGLang pickles to its schedulers",
+               _NO_FIELD_API),
+    # arg_groups/parallel_hook.py
+    PatchPoint(f"{_S}arg_groups.parallel_hook.validate_prefill_cp_platform", "RESOLUTION",
+               "arg_groups.parallel_hook:refuse_unvalidatable", "87875d985046",
+               "refuses the flag with `--model-path dummy`, for which SGLang skips the rest", _PERMANENT),
+    PatchPoint(f"{_S}arg_groups.parallel_hook.handle_context_parallelism", "RESOLUTION",
+               "arg_groups.parallel_hook:validate_then", "87875d985046",
+               "the start-up checks (this ledger's too), before SGLang's CP checks and `init_cp_strategy`",
+               _PERMANENT),
+    PatchPoint(f"{_S}arg_groups.kv_shard_hook.handle_kv_cache_sharding", "RESOLUTION",
+               "arg_groups.parallel_hook:validate_then", "e548fdb79089",
+               "the same checks after late capability adjustments (SGLang runs this step again last)", _PERMANENT),
+    # mem_cache/kv_cache_configurator.py
+    PatchPoint(f"{_S}mem_cache.page_interleave.compute_page_shard_scratch_bytes", "AROUND",
+               "mem_cache.kv_cache_configurator:scratch_bytes", "08b62abc9521",
+               "charges the shared pool's dense scratch to the KV budget, as SGLang's sharded pools charge theirs",
+               _OWNER_POOL),
+    PatchPoint(f"{_CONFIGURATOR}._derive_pool_sizes", "AROUND", "mem_cache.kv_cache_configurator:derive_pool_sizes",
+               "9776adc2f281", "a rank stores 1/N of the logical pages: the same bytes hold N x the tokens",
+               _OWNER_POOL),
+    PatchPoint(f"{_CONFIGURATOR}._build_dsa_kv_pool", "AROUND", "mem_cache.kv_cache_configurator:build_dsa_kv_pool",
+               "7bf237e7bd15", "builds `SharedKVDSATokenToKVPool` instead of `DSATokenToKVPool` (target and MTP draft)",
+               _OWNER_POOL),
+    PatchPoint(f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", "AROUND",
+               "mem_cache.kv_cache_configurator:build_allocator", "dda68b6c3f4b",
+               "with HiCache, SGLang's owner-classed allocator: a load-back gets pages of the owners of its host copies",
+               "SGLang builds its owner-classed allocator for any owner-sharded pool, not only under its own flag"),
+    # mem_cache/page_interleave.py, mem_cache/page_interleave_pool.py
+    PatchPoint(f"{_S}mem_cache.page_interleave.make_page_shard_spec", "AROUND",
+               "mem_cache.page_interleave:make_page_shard_spec", "257ab401a067",
+               "the sharded scratch holds SGLANG_NSA_CP_SCRATCH_CONTEXTS contexts (default 1), not SGLang's fixed 8",
+               "a server setting for `_KV_SHARD_SCRATCH_PREFIX_CONTEXTS`"),
+    PatchPoint(f"{_S}mem_cache.page_interleave_pool.PageInterleaveDSATokenToKVPool", "REPLACE",
+               "mem_cache.page_interleave_pool:PageInterleaveDSATokenToKVPool", "915bce3e5a47",
+               "SGLang's sharded DSA pool with the fp8 chunk quantized once and scratch row 0 zeroed without history",
+               "the same two changes in `PageInterleaveDSATokenToKVPool` (docs/upstream.md)"),
+    # layers/cp/utils.py, layers/logits_processor.py
+    PatchPoint(f"{_S}layers.cp.utils.cp_gather_after_forward", "AROUND", "layers.cp.utils:cp_gather_after_forward",
+               "37aa32f39122", "the narrow tail gather: N x bs last-token rows instead of every token's hidden state",
+               _NARROW),
+    PatchPoint(f"{_S}layers.logits_processor.LogitsProcessor._get_pruned_states", "AROUND",
+               "layers.logits_processor:get_pruned_states", "0dd0cb5c7f21",
+               "passes the narrow gather's already-pruned [bs, hidden] rows through", _NARROW),
+    # disaggregation/common/conn.py: prefill side, then decode side
+    PatchPoint(f"{_COMMON}.CommonKVManager.__init__", "AROUND", "disaggregation.common.conn:init_owner_sharded_manager",
+               "bd013469fe2e", "a shared-KV prefill manager becomes a shard rank of SGLang's sharded transfer",
+               _SHARDED_PD),
+    PatchPoint(f"{_COMMON}.get_zmq_socket_on_host", "AROUND", "disaggregation.common.conn:limit_status_frames",
+               "1528319d6891", "a decode manager's status socket gets ZMQ_MAXMSGSIZE before it binds", _SHARDED_PD),
+    PatchPoint(f"{_COMMON}.CommonKVManager._register_topology_row", "AROUND",
+               "disaggregation.common.conn:advertise_all_cp_ranks", "0ea0608421ba",
+               "advertises `enable_kv_cache_sharding`, so any decode pulls from all CP ranks", _SHARDED_PD),
+    PatchPoint(f"{_COMMON}.CommonKVManager.conclude_transfer", "AROUND",
+               "disaggregation.common.conn:check_before_concluding", "0fb1c79a8940",
+               "Success becomes Failed, with the reason, if the rank did not send every owned page once", _SHARDED_PD),
+    PatchPoint(f"{_COMMON}.CommonKVManager._encode_kv_status_message", "AROUND",
+               "disaggregation.common.conn:attach_manifest", "07e27438bb8e",
+               "status messages carry the failure reason and the owned-page manifest", _SHARDED_PD),
+    PatchPoint(f"{_COMMON}.CommonKVSender._prepare_send_indices", "AROUND",
+               "disaggregation.common.conn:expect_owned_kv_pages", "12d63999a40d",
+               "records each chunk's owned positions for the self-check and the manifest", _SHARDED_PD),
+    PatchPoint(f"{_COMMON}.CommonKVSender.clear", "AROUND", "disaggregation.common.conn:forget_sent_room",
+               "f4ca892d9e9f", "forgets what the sender recorded for the room", _SHARDED_PD),
+    PatchPoint(f"{_COMMON}.CommonKVManager.parse_kv_status_message", "AROUND",
+               "disaggregation.common.conn:read_manifest", "a3584c3f4414",
+               "decode: reads the manifest frame (bounded, keyed, never raising)", _SHARDED_PD),
+    PatchPoint(f"{_COMMON}.CommonKVManager.apply_prefill_status", "AROUND",
+               "disaggregation.common.conn:verify_before_success", "49b6dd30b364",
+               "decode: commits a room only when the manifests cover every position once, from its owner",
+               _SHARDED_PD),
+    PatchPoint(f"{_COMMON}.CommonKVReceiver.send_metadata", "AROUND", "disaggregation.common.conn:record_expectation",
+               "aa806ab9e114", "decode: records the room's destination counts and CP size the manifests must match",
+               _SHARDED_PD),
+    PatchPoint(f"{_COMMON}.CommonKVReceiver._check_waiting_timeout", "AROUND",
+               "disaggregation.common.conn:name_silent_ranks", "f4ca892d9e9f",
+               "decode: a timed-out room names the CP ranks that sent nothing", _SHARDED_PD),
+    PatchPoint(f"{_COMMON}.CommonKVReceiver._clear", "AROUND", "disaggregation.common.conn:forget_received_room",
+               "f4ca892d9e9f", "decode: forgets the room's manifests", _SHARDED_PD),
+    # disaggregation/mooncake/conn.py
+    PatchPoint(f"{_S}disaggregation.mooncake.conn.MooncakeKVManager.add_transfer_request", "AROUND",
+               "disaggregation.mooncake.conn:queue_owned_kv_pages", "78f460ef87a7",
+               "records the queued KV pages; fails a room whose decode destination list is too short", _SHARDED_PD),
+    PatchPoint(f"{_S}disaggregation.mooncake.conn.MooncakeKVManager.maybe_send_extra", "AROUND",
+               "disaggregation.mooncake.conn:send_owned_index_pages", "155ffbab59eb",
+               "sends only the index-K pages this rank owns (SGLang filters them only under its own flag)",
+               _SHARDED_PD),
+    # disaggregation/decode.py
+    PatchPoint(f"{_S}disaggregation.decode.DecodePreallocQueue._alloc_for_decode_prealloc", "AROUND",
+               "disaggregation.decode:allocate_grouped_by_owner", "3543d1920c47",
+               "decode: re-deals a request's pages so each prefill rank's owned positions form one run",
+               "SGLang's decode allocator learns the prefill's page ownership"),
+)  # fmt: skip
+
+
+def fingerprint(target) -> str:
+    """First 12 hex of sha256 of the target's signature without annotations: parameter names,
+    kinds and defaults, what a hook relies on (a typing-only change or another Python's way of
+    printing types does not count). Follows `__wrapped__`, so it is the same once hooks are applied."""
+    signature = inspect.signature(target)
+    bare = signature.replace(
+        parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+        return_annotation=signature.empty,
+    )
+    return hashlib.sha256(str(bare).encode()).hexdigest()[:12]
+
+
+def _closes_over(fn, hook) -> bool:
+    """Whether `fn`, or a function it wraps, is a wrapper whose closure holds `hook` (what
+    `HookRegistry`'s wrappers are: a call of the target reaches the hook)."""
+    seen = set()
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        fn = getattr(fn, "__func__", fn)  # a classmethod's bound method
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                if cell.cell_contents is hook:
+                    return True
+            except ValueError:  # an empty cell
+                continue
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+def is_installed(point: PatchPoint) -> bool:
+    """Whether SGLang calls the point's hook: a registered resolution wrapper, or a target that
+    `HookRegistry.apply_hooks()` patched and whose current value wraps the hook."""
+    from sglang.srt.arg_groups.resolution_hooks import _HOOKS as resolution_wrappers
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    hook = point.load_hook()
+    if point.kind == "RESOLUTION":
+        return hook in resolution_wrappers.get(point.step, ())
+    return point.target in HookRegistry._patched and _closes_over(pkgutil.resolve_name(point.target), hook)
+
+
+def _problem(point: PatchPoint) -> str | None:
+    try:
+        target = pkgutil.resolve_name(point.target)
+    except (ImportError, AttributeError, ValueError) as err:
+        return (
+            f"its target no longer resolves in the installed SGLang ({type(err).__name__}: {err}); port the hook "
+            f"to the new target and update its entry in sglang_ext/ledger.py, or install sglang=={RECORDED_FOR}"
+        )
+    try:
+        now = fingerprint(target)
+    except (TypeError, ValueError) as err:  # no longer a function
+        now = f"none ({err})"
+    if now != point.signature:
+        return (
+            f"its target's signature changed (fingerprint {now}, recorded {point.signature} for SGLang "
+            f"{RECORDED_FOR}); check the hook against the new signature, then re-record it from "
+            "`python -m sglang_nsa_cp.sglang_ext.ledger --fingerprints`"
+        )
+    if not is_installed(point):
+        return (
+            "it is not installed (SGLang's `HookRegistry.apply_hooks()` logs 'Failed to apply hooks to' the "
+            "target, with the cause); fix that cause, and make sure SGLang's `load_plugins()` ran in this "
+            "process before argument resolution"
+        )
+    return None
+
+
+def check_patch_points() -> list[str]:
+    """One problem per patch point that is not in place, naming the hook, its target and the fix.
+
+    Run it after SGLang's `load_plugins()` (registration, then `HookRegistry.apply_hooks()`); the
+    start-up checks do, during argument resolution, which every SGLang entry point runs after it."""
+    problems = []
+    for point in LEDGER:
+        problem = _problem(point)
+        if problem:
+            problems.append(f"hook {point.hook} ({point.kind} `{point.target}`): {problem}")
+    return problems
+
+
+def markdown_table() -> str:
+    """The table docs/sglang_plugin.md carries between `<!-- ledger:begin -->` and `<!-- ledger:end -->`."""
+    lines = ["| target | kind | private | why | upstream change that removes it |", "| --- | --- | --- | --- | --- |"]
+    for p in LEDGER:
+        lines.append(f"| `{p.target}` | {p.kind} | {'yes' if p.private else ''} | {p.why} | {p.upstream} |")
+    return "\n".join(lines)
+
+
+def fingerprint_report() -> str:
+    """The current fingerprint of every target, marking those that differ from the ledger's."""
+    lines = []
+    for p in LEDGER:
+        try:
+            now = fingerprint(pkgutil.resolve_name(p.target))
+        except (ImportError, AttributeError, ValueError, TypeError) as err:
+            now = f"unresolved ({type(err).__name__}: {err})"
+        lines.append(f"{now}  {p.target}" + ("" if now == p.signature else f"  (recorded {p.signature})"))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(fingerprint_report() if "--fingerprints" in sys.argv[1:] else markdown_table())

@@ -1,0 +1,204 @@
+"""CPU, ~10-20 s: the patch ledger (sglang_ext/ledger.py) against the installed SGLang 0.5.23.
+
+Every target resolves with its recorded signature and is patched after SGLang's `load_plugins()`;
+a renamed target, a changed signature or an unpatched target makes the start-up validation of
+`--enable-nsa-prefill-cp-shared-kv` (SGLang's real resolution pipeline, on a config.json-only
+model directory, an SM90 GPU patched in) refuse, naming the hook; docs/sglang_plugin.md carries
+the generated table and its counts.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import json  # noqa: E402
+import pkgutil  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
+
+from sglang_nsa_cp.sglang_ext.ledger import (  # noqa: E402
+    LEDGER,
+    check_patch_points,
+    fingerprint,
+    is_installed,
+    markdown_table,
+)
+
+register_cpu_ci(est_time=20, suite="nsa-cp-test-cpu")
+
+ROOT = Path(__file__).resolve().parents[2]
+FLAG = "--enable-nsa-prefill-cp-shared-kv"
+CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+
+_TINY_V32 = {
+    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "hidden_size": 256,
+    "intermediate_size": 512, "moe_intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512, "q_lora_rank": 128, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64, "vocab_size": 1024,
+    "max_position_embeddings": 4096, "rope_theta": 10000, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def plugin():
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # entry-point discovery, register(), HookRegistry.apply_hooks()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("v32")
+    (path / "config.json").write_text(json.dumps(_TINY_V32))
+    return str(path)
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    monkeypatch.delenv("SGLANG_NSA_CP_SHARED_KV", raising=False)
+    from sglang.srt.layers.cp import base as cp_base
+
+    saved = cp_base._STRATEGY  # resolution installs the process-wide CP strategy
+    yield
+    cp_base._STRATEGY = saved
+
+
+def _resolve(model_path, flag=True):
+    """A supported CP8 PD-prefill deployment, through SGLang's resolution pipeline."""
+    from sglang.srt.server_args import prepare_server_args
+
+    argv = ["--model-path", model_path, "--tp", "8", "--enable-prefill-cp", "--cp-strategy", "interleave",
+            "--attn-cp-size", "8", "--device", "cuda", "--disaggregation-mode", "prefill"]  # fmt: skip
+    server_args = prepare_server_args(argv + [FLAG] * flag)
+    server_args.resolve_once()
+    return server_args
+
+
+def _point(hook):
+    return next(p for p in LEDGER if p.hook == hook)
+
+
+def test_every_target_resolves_with_its_recorded_signature():
+    for point in LEDGER:
+        target = pkgutil.resolve_name(point.target)
+        assert fingerprint(target) == point.signature, (
+            f"{point.target}: SGLang changed its signature; check {point.hook}, then re-record it "
+            "(python -m sglang_nsa_cp.sglang_ext.ledger --fingerprints)"
+        )
+
+
+def test_every_hook_loads_and_every_step_is_overridable():
+    from sglang.srt.arg_groups.resolution_hooks import _OVERRIDABLE_HOOKS
+
+    for point in LEDGER:
+        assert callable(point.load_hook()), point.hook
+        assert point.private == any(s.startswith("_") for s in point.target.split(".")), point.target
+        if point.kind == "RESOLUTION":
+            assert point.step in _OVERRIDABLE_HOOKS, f"{point.target}: not an overridable resolution step"
+    assert len({(p.target, p.hook) for p in LEDGER}) == len(LEDGER), "a hook is listed twice"
+
+
+def test_every_hook_is_installed_after_load_plugins(plugin):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    assert [p.hook for p in LEDGER if not is_installed(p)] == []
+    assert check_patch_points() == []
+    # exactly the ledger's hooks, once each (load_plugins twice registers nothing twice)
+    import sglang_nsa_cp.sglang_ext as ext
+
+    ext.register()
+    for point in LEDGER:
+        if point.kind != "RESOLUTION":
+            hooks = [h for _, h, _ in HookRegistry._hooks[point.target]]
+            assert hooks.count(point.load_hook()) == 1, f"{point.hook} on {point.target}: {hooks}"
+
+
+def _rename_target(monkeypatch):
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+
+    monkeypatch.delattr(KVCacheConfigurator, "_build_dsa_kv_pool")  # as if SGLang renamed it
+
+
+def _change_signature(monkeypatch):
+    """SGLang adds a parameter; the plugin's hook still wraps the new function."""
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+    def _build_dsa_kv_pool(self, *, max_total_num_tokens, max_running_requests, dsa_pool_class, layer_ids=None):
+        raise AssertionError("not called")
+
+    hook = _point("mem_cache.kv_cache_configurator:build_dsa_kv_pool").load_hook()
+    monkeypatch.setattr(KVCacheConfigurator, "_build_dsa_kv_pool", _wrap_fn(_build_dsa_kv_pool, hook, HookType.AROUND))
+
+
+def _unwrap_target(monkeypatch):
+    """The original function back in place, as when apply_hooks failed on the target."""
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+
+    monkeypatch.setattr(KVCacheConfigurator, "_build_dsa_kv_pool", KVCacheConfigurator._build_dsa_kv_pool.__wrapped__)
+
+
+def _drop_resolution_step(monkeypatch):
+    from sglang.srt.arg_groups import resolution_hooks
+
+    monkeypatch.setitem(resolution_hooks._HOOKS, "handle_kv_cache_sharding", [])
+
+
+# (fault, the hook the refusal must name, what it must say)
+FAULTS = [
+    (_rename_target, "mem_cache.kv_cache_configurator:build_dsa_kv_pool", "its target no longer resolves"),
+    (_change_signature, "mem_cache.kv_cache_configurator:build_dsa_kv_pool", "its target's signature changed"),
+    (_unwrap_target, "mem_cache.kv_cache_configurator:build_dsa_kv_pool", "it is not installed"),
+    (_drop_resolution_step, "arg_groups.parallel_hook:validate_then", "it is not installed"),
+]
+
+
+@pytest.mark.parametrize("fault,hook,message", FAULTS, ids=[f[0].__name__.strip("_") for f in FAULTS])
+def test_a_broken_patch_point_refuses_the_flag_naming_the_hook(plugin, model, sm90, monkeypatch, fault, hook, message):
+    from sglang_nsa_cp.sglang_ext.arg_groups.parallel_hook import SharedKVConfigError
+    from sglang_nsa_cp.sglang_ext.server_args import ATTR
+
+    fault(monkeypatch)
+    problems = check_patch_points()
+    assert len(problems) == 1 and problems[0].startswith(f"hook {hook} (") and message in problems[0], problems
+    with pytest.raises(SharedKVConfigError) as err:
+        _resolve(model)
+    assert f"  - hook {hook} (" in str(err.value) and message in str(err.value), str(err.value)
+    assert not getattr(_resolve(model, flag=False), ATTR, False)  # without the flag nothing refuses
+
+
+def test_docs_carry_the_generated_table_and_the_counts():
+    doc = (ROOT / "docs" / "sglang_plugin.md").read_text()
+    table = doc.split("<!-- ledger:begin -->\n", 1)[1].split("\n<!-- ledger:end -->", 1)[0]
+    assert table == markdown_table(), (
+        "docs/sglang_plugin.md's ledger table is stale: paste `python -m sglang_nsa_cp.sglang_ext.ledger` "
+        "between its ledger markers"
+    )
+    counts = re.search(r"There are (\d+) patch points, (\d+) of them on private SGLang names", doc)
+    assert counts, "docs/sglang_plugin.md lost the sentence counting the patch points"
+    want = (len(LEDGER), sum(p.private for p in LEDGER))
+    assert (int(counts[1]), int(counts[2])) == want, f"update the counts in docs/sglang_plugin.md to {want}"
+
+
+def test_module_prints_the_table_without_importing_sglang():
+    code = "import runpy, sys; runpy.run_module('sglang_nsa_cp.sglang_ext.ledger', run_name='__main__'); "
+    code += "assert 'sglang' not in sys.modules, 'the ledger imported sglang'"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.rstrip("\n") == markdown_table()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
