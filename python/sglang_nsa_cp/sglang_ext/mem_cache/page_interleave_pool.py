@@ -16,8 +16,10 @@ N = 2, page 64, SGLang's placement (`page_interleave.PageInterleavePlacement`):
     an extend's scratch slot, one layer:  [ prefix, owner-major | chunk | trash page ]
 
 What it changes, each for a measured reason (docs/sglang_plugin.md):
-- an fp8 pool (FlashMLA's 656-byte rows) quantizes a chunk once: SGLang's pool quantizes it for the
-  scratch and again for the owned rows (`quantize_k_cache_separate` twice per layer).
+- an fp8 pool (FlashMLA's 656-byte rows) quantizes a chunk once and stores the scratch and owned
+  rows in one pass (`kernels.store_mla_fp8_owned_and_scratch`, bit-equal to SGLang's quantizer):
+  SGLang's pool quantizes it for the scratch and again for the owned rows
+  (`quantize_k_cache_separate` twice per layer, then two row scatters).
 - a batch without cached history zeroes scratch row 0: SGLang's DSA readers touch row 0 for
   padded entries (masked, as they touch a replicated pool's padding slot 0), and in such a batch
   nothing else writes it, so it holds whatever the last batch or the allocator left; NaN there
@@ -28,9 +30,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-from sglang.srt.mem_cache import memory_pool
+import torch
 from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
 from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveDSATokenToKVPool as SGLangPool
+
+from sglang_nsa_cp import kernels
 
 
 class PageInterleaveDSATokenToKVPool(SGLangPool):
@@ -45,21 +49,25 @@ class PageInterleaveDSATokenToKVPool(SGLangPool):
 
     def set_mla_kv_buffer(self, layer, loc_info, cache_k_nope, cache_k_rope, layer_id_override: Optional[int] = None):
         """Stage the whole chunk into the layer's scratch slot and persist the owned rows, from one
-        quantization (fp8); bf16 rows go through SGLang's path unchanged."""
+        quantization in one pass (fp8: `kernels.store_mla_fp8_owned_and_scratch`, SGLang's
+        rounding); bf16 rows go through SGLang's path unchanged."""
         if not self.dsa_kv_cache_store_fp8:
             return super().set_mla_kv_buffer(layer, loc_info, cache_k_nope, cache_k_rope, layer_id_override)
         loc, _, _ = unwrap_write_loc(loc_info)
         layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
-        nope, rope = memory_pool.quantize_k_cache_separate(cache_k_nope, cache_k_rope)
+        scratch = self._slots[layer_id % 2].tensors["kv"]
         if self._shard_extend_active:
-            slot = self._slots[layer_id % 2]
-            self._scatter_mla_rows(slot.tensors["kv"], self._translate_loc_cached(loc), nope, rope)
-        owned_idx, local_rows = self._get_write_plan(loc)
-        if owned_idx.numel():
-            self._scatter_mla_rows(
-                self.kv_buffer[layer_id - self.start_layer],
-                local_rows,
-                nope.index_select(0, owned_idx),
-                rope.index_select(0, owned_idx),
-            )
-
+            scratch_rows = self._translate_loc_cached(loc)
+        else:  # a write outside an extend persists the owned rows only
+            scratch_rows = torch.full_like(loc, -1)
+        kernels.store_mla_fp8_owned_and_scratch(
+            scratch.view(-1, self.kv_cache_dim),
+            scratch_rows,
+            self.kv_buffer[layer_id - self.start_layer].view(-1, self.kv_cache_dim),
+            loc,
+            cache_k_nope,
+            cache_k_rope,
+            self.shard_rank,
+            self.shard_size,
+            self.page_size,
+        )
