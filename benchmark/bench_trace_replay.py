@@ -565,11 +565,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace) -> None:
     """Every value before any work; UsageError names the value, the rule and the fix."""
-    try:
-        args.cp = parse_comma_list(args.cp, int, low=2, noun="integer")
-        args.scratch_contexts = parse_comma_list(args.scratch_contexts, int, low=1, noun="integer")
-    except ValueError as exc:
-        raise UsageError(f"--cp/--scratch-contexts: {exc}") from None
+    for name in ("cp", "scratch_contexts"):
+        try:
+            setattr(args, name, parse_comma_list(getattr(args, name), int, low=1 if name != "cp" else 2))
+        except ValueError as exc:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)!r}: {exc}") from None
     if max(args.cp) > 64:
         raise UsageError(f"--cp {max(args.cp)}: must be from 2 to 64 (a prefill group's CP size)")
     if max(args.scratch_contexts) > 64:
@@ -739,6 +739,7 @@ def plot(rows: list[dict], path: str) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         print("matplotlib is not installed: no plot")
         return
@@ -769,7 +770,13 @@ def plot(rows: list[dict], path: str) -> None:
         plt.Line2D([], [], color="gray", marker="o", fillstyle="full", linestyle="none", label="fp8 (filled)"),
         plt.Line2D([], [], color="gray", marker="o", fillstyle="none", linestyle="none", label="bf16 (hollow)"),
     ]
-    ax_hit.legend(handles=handles, fontsize=8, loc="lower right")
+    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+    for ax in (ax_hit, ax_ttft):
+        ax.xaxis.set_major_formatter(plain)
+        ax.xaxis.set_minor_formatter(plain)
+    ax_ttft.yaxis.set_major_formatter(plain)
+    ax_ttft.yaxis.set_minor_formatter(plain)
+    ax_hit.legend(handles=handles, fontsize=8, loc="upper left")
     ax_hit.grid(alpha=0.3)
     ax_ttft.grid(alpha=0.3)
     fig.suptitle("Mooncake conversation trace through SGLang's radix cache: replicated vs shared KV capacity")
