@@ -1,7 +1,7 @@
 """What the shared KV's capacity buys: a production trace replayed through SGLang 0.5.23's own
 radix cache, once at the capacity of a replicated CP group and once at the capacity the flag gives.
 
-    python benchmark/bench_trace_replay.py                       # the shipped Mooncake trace, ~15 min on 2 cores
+    python benchmark/bench_trace_replay.py                       # the shipped Mooncake trace: 2-4 min on 2 cores
     python benchmark/bench_trace_replay.py --limit 2000 --cp 8 --kv-dtypes fp8 --scratch-contexts 1   # quick
 
 For each CP size, KV dtype and path (replicated; shared with `--scratch-contexts` C) it replays
