@@ -63,7 +63,8 @@ step "virtual environment $VENV ($(python3 --version))"
 PIP="$VENV/bin/pip install -q --disable-pip-version-check"
 step "torch 2.13 CPU, Triton 3.8, numpy, pytest, ruff"
 # torch 2.13.0 resolves to the CPU build on these machines; triton 3.8.0 is the interpreter we test with.
-$PIP torch==2.13.0 triton==3.8.0 "numpy<2.4" pytest pytest-timeout hypothesis safetensors ruff==0.14.0
+# matplotlib: the benchmarks' plots (bench_trace_replay.py's CPU test checks its PNG).
+$PIP torch==2.13.0 triton==3.8.0 "numpy<2.4" pytest pytest-timeout hypothesis safetensors ruff==0.14.0 matplotlib
 step "SGLang's CPU-importable dependencies"
 # sglang 0.5.23 without its GPU stack: only what its CPU-importable modules need.
 $PIP orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm ipython \
