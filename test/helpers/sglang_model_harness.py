@@ -537,21 +537,18 @@ def count_history_gathers(pool) -> dict:
 
 
 def count_fp8_quantizations() -> dict:
-    """Chunk quantizations of an fp8 pool: calls of SGLang's quantizer (`quantize_k_cache_separate`,
-    where the pools look it up) and of the plugin's fused store (which quantizes once inside)."""
+    """Calls of SGLang's fp8 KV quantizer (`quantize_k_cache_separate`, where SGLang's pools and the
+    plugin's fused store's torch reference look it up; CPU tensors take that reference)."""
     from sglang.srt.mem_cache import memory_pool
 
-    from sglang_nsa_cp import kernels
-
     counts = {"calls": 0}
-    for module, name in ((memory_pool, "quantize_k_cache_separate"), (kernels, "store_mla_fp8_owned_and_scratch")):
-        inner = getattr(module, name)
+    inner = memory_pool.quantize_k_cache_separate
 
-        def counted(*args, _inner=inner, **kwargs):
-            counts["calls"] += 1
-            return _inner(*args, **kwargs)
+    def counted(*args, **kwargs):
+        counts["calls"] += 1
+        return inner(*args, **kwargs)
 
-        setattr(module, name, counted)
+    memory_pool.quantize_k_cache_separate = counted
     return counts
 
 

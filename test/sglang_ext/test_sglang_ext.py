@@ -164,27 +164,29 @@ def test_supported_configuration_resolves_enabled_and_reaches_the_schedulers(plu
     assert getattr(pickle.loads(pickle.dumps(server_args)), ATTR) is True
     cfg = resolving_view(server_args)
     assert (cfg.page_size, cfg.dsa_prefill_backend, cfg.kv_cache_dtype) == (64, "flashmla_sparse", kv_dtype)
+    assert cfg.enable_kv_cache_sharding is True  # SGLang's own sharding does the work
     # without the flag nothing changes
-    assert not getattr(_resolve(_argv(models[model])[:-1]), ATTR, False)
+    plain = _resolve(_argv(models[model])[:-1])
+    assert not getattr(plain, ATTR, False) and not resolving_view(plain).enable_kv_cache_sharding
 
 
-@pytest.mark.parametrize("model,algorithm", [("v32_mtp", "NEXTN"), ("glm5_mtp", "EAGLE")])
+@pytest.mark.parametrize("model,algorithm", [("glm5_mtp", "EAGLE")])
 def test_mtp_speculative_decoding_resolves_enabled(plugin, models, sm90, model, algorithm):
-    """EAGLE / NEXTN with the checkpoint's own MTP layer: the draft's DSA pool is shared like the
-    target's (docs/speculative.md); SGLang resolves NEXTN to EAGLE after our first check."""
+    """EAGLE with GLM-5's own MTP layer: SGLang's sharded draft pool shares the target's logical
+    pages (docs/speculative.md)."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
     from sglang_nsa_cp.sglang_ext.server_args import ATTR
 
-    server_args = _resolve(_argv(models[model], {"--speculative-algorithm": algorithm}))
+    server_args = _resolve(_argv(models[model], {"--speculative-algorithm": algorithm, **ONE_CHAIN}))
     assert getattr(server_args, ATTR) is True
     assert resolving_view(server_args).speculative_algorithm == "EAGLE"
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_hicache_resolves_enabled_with_the_python_tree_core(plugin, models, sm90, monkeypatch, layout):
-    """The host tier (kernel I/O) is accepted; like SGLang's own sharding, the plugin picks the
-    Python radix tree core (the one that keeps owner rotation) unless the user chose one."""
+    """The host tier (kernel I/O) is accepted; SGLang's own sharding picks the Python radix tree
+    core (the one that keeps owner rotation) unless the user chose one, which must be python."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
     from sglang_nsa_cp.sglang_ext.arg_groups.parallel_hook import SharedKVConfigError
@@ -222,6 +224,9 @@ def test_env_var_enables_it_for_engine_users(plugin, models, sm90, monkeypatch):
         ServerArgs(**dict(kwargs, disaggregation_mode="null")).resolve_once()
 
 
+# SGLang's KV sharding checks the draft's top-k before it fills in the defaults: name them
+ONE_CHAIN = {"--speculative-eagle-topk": "1", "--speculative-num-steps": "1", "--speculative-num-draft-tokens": "2"}
+
 # (name, model, changes to GOOD, expected message)
 BAD = [
     ("not a DSA model", "v3", {}, "needs a DSA model"),
@@ -233,7 +238,9 @@ BAD = [
         {"--enable-dsa-cache-layer-split": None},
         "cannot be combined with --enable-dsa-cache-layer-split",
     ),
-    ("kv sharding", "v32", {"--enable-kv-cache-sharding": None}, "cannot be combined with --enable-kv-cache-sharding"),
+    ("V3.2 with MTP", "v32_mtp", {"--speculative-algorithm": "EAGLE"}, "for GLM-5 (GlmMoeDsaForCausalLM) only"),
+    ("NEXTN", "glm5_mtp", {"--speculative-algorithm": "NEXTN", **ONE_CHAIN}, "needs --speculative-algorithm EAGLE"),
+    ("no chunked prefill", "v32", {"--chunked-prefill-size": "-1"}, "needs chunked prefill"),
     ("colocated", "v32", {"--disaggregation-mode": DROP}, "runs only on a PD prefill instance"),
     ("nixl", "v32", {"--disaggregation-transfer-backend": "nixl"}, "ships owned pages over Mooncake only"),
     (
@@ -272,12 +279,6 @@ BAD = [
         "does not support speculative decoding yet",
     ),
     (
-        "HiCache, chunks not whole pages",
-        "v32",
-        {"--enable-hierarchical-cache": None, "--chunked-prefill-size": "1000"},
-        "needs chunked prefill in whole pages",
-    ),
-    (
         "speculative without MTP layer",
         "glm5",
         {"--speculative-algorithm": "EAGLE"},
@@ -291,7 +292,7 @@ BAD = [
     ),
     (
         "multi-layer EAGLE",
-        "v32_mtp",
+        "glm5_mtp",
         {"--speculative-algorithm": "NEXTN", "--enable-multi-layer-eagle": None},
         "does not support --enable-multi-layer-eagle",
     ),
@@ -335,8 +336,9 @@ def test_page_size_other_than_64_is_refused():
         prefill_attention_backend=None, dsa_prefill_backend="flashmla_sparse", kv_cache_dtype="bfloat16",
         enable_hierarchical_cache=False, enable_hisparse=False, enable_lmcache=False, speculative_algorithm=None,
         pp_size=1, dcp_size=1, attn_dp_size=1, enable_two_batch_overlap=False, enable_layernorm_sp=False,
-        disaggregation_enable_kv_checksum=False,
-        cuda_graph_config=SimpleNamespace(prefill=SimpleNamespace(backend="disabled")),
+        disaggregation_enable_kv_checksum=False, radix_cache_backend=None, disable_radix_cache=False,
+        chunked_prefill_size=8192, enable_unified_memory=False, enable_flexkv=False, enable_streaming_session=False,
+        enable_session_radix_cache=False, cuda_graph_config=SimpleNamespace(prefill=SimpleNamespace(backend="disabled")),
     )  # fmt: skip
     with (
         mock.patch.object(parallel_hook, "resolving_view", lambda sa: view),

@@ -17,8 +17,9 @@ clamp(NaN)). The kernel spells the quantization with the very Triton operations 
 `_quantize_k_cache_fast_kernel`, so each compiles to the same instructions: on a GPU Triton's
 approximate fp32 division (`div.full.f32`) and hardware e4m3 conversion, under the interpreter
 numpy's division and the interpreter's cast. Equal bytes come from equal operations, on either.
-The reference calls `quantize_k_cache_separate` itself, so it needs what SGLang's quantizer
-needs: a GPU, or TRITON_INTERPRET=1 (CPU tests).
+The reference calls `quantize_k_cache_separate` itself, where SGLang's DSA pools look it up
+(`mem_cache.memory_pool`), so it needs what SGLang's quantizer needs: a GPU, or TRITON_INTERPRET=1
+(CPU tests).
 """
 
 from __future__ import annotations
@@ -89,12 +90,12 @@ def _check_kernel_layout(scratch: torch.Tensor, shard: torch.Tensor, k_nope: tor
 def store_mla_fp8_owned_and_scratch_torch(
     scratch, scratch_rows, shard, slots, k_nope, k_rope, rank: int, cp_size: int, page_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from sglang.kernels.ops.quantization.dsa_quant_k_cache import quantize_k_cache_separate
+    from sglang.srt.mem_cache import memory_pool  # the quantizer as SGLang's DSA pools look it up
 
     k_nope, k_rope = check_store_mla_fp8_owned_and_scratch(
         scratch, scratch_rows, shard, slots, k_nope, k_rope, rank, cp_size, page_size
     )
-    nope, rope = quantize_k_cache_separate(k_nope, k_rope)
+    nope, rope = memory_pool.quantize_k_cache_separate(k_nope, k_rope)
     rows = torch.cat([nope.squeeze(1), rope.squeeze(1)], dim=1)
     staged = scratch_rows >= 0
     scratch[scratch_rows[staged].long()] = rows[staged]

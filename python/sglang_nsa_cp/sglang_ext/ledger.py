@@ -94,21 +94,11 @@ LEDGER: tuple[PatchPoint, ...] = (
     PatchPoint(f"{_S}arg_groups.kv_shard_hook.handle_kv_cache_sharding", "RESOLUTION",
                "arg_groups.parallel_hook:validate_then", "e548fdb79089",
                "the same checks after late capability adjustments (SGLang runs this step again last)", _PERMANENT),
-    # mem_cache/kv_cache_configurator.py
-    PatchPoint(f"{_S}mem_cache.page_interleave.compute_page_shard_scratch_bytes", "AROUND",
-               "mem_cache.kv_cache_configurator:scratch_bytes", "08b62abc9521",
-               "charges the shared pool's dense scratch to the KV budget, as SGLang's sharded pools charge theirs",
-               _OWNER_POOL),
-    PatchPoint(f"{_CONFIGURATOR}._derive_pool_sizes", "AROUND", "mem_cache.kv_cache_configurator:derive_pool_sizes",
-               "9776adc2f281", "a rank stores 1/N of the logical pages: the same bytes hold N x the tokens",
-               _OWNER_POOL),
-    PatchPoint(f"{_CONFIGURATOR}._build_dsa_kv_pool", "AROUND", "mem_cache.kv_cache_configurator:build_dsa_kv_pool",
-               "7bf237e7bd15", "builds `SharedKVDSATokenToKVPool` instead of `DSATokenToKVPool` (target and MTP draft)",
-               _OWNER_POOL),
-    PatchPoint(f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", "AROUND",
-               "mem_cache.kv_cache_configurator:build_allocator", "dda68b6c3f4b",
-               "with HiCache, SGLang's owner-classed allocator: a load-back gets pages of the owners of its host copies",
-               "SGLang builds its owner-classed allocator for any owner-sharded pool, not only under its own flag"),
+    # arg_groups/kv_shard_hook.py
+    PatchPoint(f"{_S}arg_groups.kv_shard_hook.validate_kv_shard_attention_backend", "AROUND",
+               "arg_groups.kv_shard_hook:validate_kv_shard_attention_backend", "ed9f2ffa89ab",
+               "SGLang's KV sharding admits DSA only with trtllm and fp8 (Blackwell); the flag's checks cover Hopper",
+               "the validator admits `flashmla_sparse` with bf16 and fp8 KV (docs/upstream.md, item 1)"),
     # mem_cache/page_interleave.py, mem_cache/page_interleave_pool.py
     PatchPoint(f"{_S}mem_cache.page_interleave.make_page_shard_spec", "AROUND",
                "mem_cache.page_interleave:make_page_shard_spec", "257ab401a067",
@@ -131,9 +121,6 @@ LEDGER: tuple[PatchPoint, ...] = (
                _SHARDED_PD),
     PatchPoint(f"{_COMMON}.get_zmq_socket_on_host", "AROUND", "disaggregation.common.conn:limit_status_frames",
                "1528319d6891", "a decode manager's status socket gets ZMQ_MAXMSGSIZE before it binds", _SHARDED_PD),
-    PatchPoint(f"{_COMMON}.CommonKVManager._register_topology_row", "AROUND",
-               "disaggregation.common.conn:advertise_all_cp_ranks", "0ea0608421ba",
-               "advertises `enable_kv_cache_sharding`, so any decode pulls from all CP ranks", _SHARDED_PD),
     PatchPoint(f"{_COMMON}.CommonKVManager.conclude_transfer", "AROUND",
                "disaggregation.common.conn:check_before_concluding", "0fb1c79a8940",
                "Success becomes Failed, with the reason, if the rank did not send every owned page once", _SHARDED_PD),
@@ -207,14 +194,18 @@ def _closes_over(fn, hook) -> bool:
 
 def is_installed(point: PatchPoint) -> bool:
     """Whether SGLang calls the point's hook: a registered resolution wrapper, or a target that
-    `HookRegistry.apply_hooks()` patched and whose current value wraps the hook."""
+    `HookRegistry.apply_hooks()` patched and whose current value wraps the hook (or is the hook,
+    for a class REPLACE)."""
     from sglang.srt.arg_groups.resolution_hooks import _HOOKS as resolution_wrappers
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     hook = point.load_hook()
     if point.kind == "RESOLUTION":
         return hook in resolution_wrappers.get(point.step, ())
-    return point.target in HookRegistry._patched and _closes_over(pkgutil.resolve_name(point.target), hook)
+    current = pkgutil.resolve_name(point.target)
+    if isinstance(hook, type):  # a class REPLACE: the target is the hook itself
+        return point.target in HookRegistry._patched and current is hook
+    return point.target in HookRegistry._patched and _closes_over(current, hook)
 
 
 def _problem(point: PatchPoint) -> str | None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from sglang.srt.arg_groups.overrides import model_config_of, resolving_view
+from sglang.srt.arg_groups.overrides import declare_resolution, model_config_of, resolving_view
 from sglang.srt.model_executor.cuda_graph_config import Backend
 
 from sglang_nsa_cp.sglang_ext.ledger import check_patch_points
@@ -84,8 +84,9 @@ def _model_problems(server_args: Any) -> list[str]:
 
 
 def _speculative_problems(server_args: Any, cfg: Any) -> list[str]:
-    """EAGLE / NEXTN with the checkpoint's own single MTP layer: its DSA pool is shared like the
-    target's (docs/speculative.md). Other drafts bring pools the plugin does not shard."""
+    """EAGLE / NEXTN with GLM-5's own single MTP layer, as SGLang's KV sharding takes it (its draft
+    pool shares the target's logical pages, docs/speculative.md). Other drafts bring pools that
+    are not sharded."""
     algorithm = cfg.speculative_algorithm
     if algorithm is None:
         return []
@@ -97,6 +98,11 @@ def _speculative_problems(server_args: Any, cfg: Any) -> list[str]:
             "--speculative-algorithm on the prefill instance"
         ]
     problems = []
+    if str(algorithm).upper() == "NEXTN":
+        problems.append(
+            "needs --speculative-algorithm EAGLE, SGLang's name for the same MTP draft: its KV-sharding check runs "
+            "before NEXTN becomes EAGLE and refuses it; use --speculative-algorithm EAGLE"
+        )
     if cfg.speculative_draft_model_path not in (None, cfg.model_path):
         problems.append(
             f"needs the checkpoint's own MTP layer as the draft, got --speculative-draft-model-path "
@@ -108,6 +114,19 @@ def _speculative_problems(server_args: Any, cfg: Any) -> list[str]:
             "yet); drop it"
         )
     hf_config = model_config_of(server_args).hf_config
+    arch = (getattr(hf_config, "architectures", None) or [None])[0]
+    if arch != "GlmMoeDsaForCausalLM":
+        problems.append(
+            f"supports speculative decoding on the prefill for GLM-5 (GlmMoeDsaForCausalLM) only, got {arch}: "
+            "SGLang's sharded MTP draft pool is wired for GLM's NextN layer; drop --speculative-algorithm on the "
+            "prefill instance"
+        )
+    if cfg.speculative_eagle_topk != 1:
+        problems.append(
+            f"needs --speculative-eagle-topk 1 (got {cfg.speculative_eagle_topk}): SGLang's sharded draft pool "
+            "takes one chain, and its check runs before the defaults are filled in; pass --speculative-eagle-topk 1 "
+            "--speculative-num-steps 1 --speculative-num-draft-tokens 2"
+        )
     if getattr(hf_config, "num_nextn_predict_layers", 0) != 1:
         problems.append(
             f"needs a checkpoint with one MTP layer for {algorithm} (config num_nextn_predict_layers="
@@ -128,9 +147,38 @@ def _tree_core_env():
     return envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND
 
 
+def _sharding_problems(cfg: Any) -> list[str]:
+    """What SGLang's own KV sharding, which the flag turns on, supports besides the backend
+    (`arg_groups/kv_shard_hook.py::handle_kv_cache_sharding` checks these one at a time)."""
+    problems = []
+    if cfg.radix_cache_backend is not None:
+        problems.append(
+            f"needs SGLang's built-in radix cache (got --radix-cache-backend {cfg.radix_cache_backend}): owner "
+            "rotation is kept on its tree nodes; drop --radix-cache-backend"
+        )
+    tree_core = _tree_core_env()
+    if not cfg.disable_radix_cache and tree_core.is_set() and tree_core.get() != "python":
+        problems.append(
+            f"needs SGLang's Python radix tree core (got {tree_core.name}={tree_core.get()}): only it keeps the "
+            f"owner rotation of cached pages; unset {tree_core.name} or set it to python"
+        )
+    if not cfg.chunked_prefill_size or cfg.chunked_prefill_size <= 0:
+        problems.append(
+            f"needs chunked prefill (got --chunked-prefill-size {cfg.chunked_prefill_size}): the gather scratch "
+            "holds one chunk; pass --chunked-prefill-size 8192 (SGLang rounds it to whole pages)"
+        )
+    for option in ("enable_unified_memory", "enable_flexkv", "enable_streaming_session", "enable_session_radix_cache"):
+        if getattr(cfg, option):
+            flag = "--" + option.replace("_", "-")
+            problems.append(
+                f"does not support {flag} (it allocates or tracks pages outside the owner-rotating allocator); "
+                f"drop {flag}"
+            )
+    return problems
+
+
 def _hicache_problems(cfg: Any) -> list[str]:
-    """HiCache runs on SGLang's owner-sharded host tier with its owner-classed allocator
-    (docs/sglang_plugin.md, "HiCache"): what that path supports, as SGLang's own sharding checks it."""
+    """HiCache runs on SGLang's owner-sharded host tier (docs/sglang_plugin.md, "HiCache")."""
     hicache = "with --enable-hierarchical-cache"
     problems = []
     if cfg.hicache_storage_backend is not None:
@@ -153,32 +201,9 @@ def _hicache_problems(cfg: Any) -> list[str]:
     if cfg.speculative_algorithm is not None:
         problems.append(
             f"{hicache} does not support speculative decoding yet (got --speculative-algorithm "
-            f"{cfg.speculative_algorithm}): the MTP draft's pool is not wired to the owner-classed allocator "
-            "HiCache needs; drop --speculative-algorithm on the prefill instance or drop --enable-hierarchical-cache"
+            f"{cfg.speculative_algorithm}): not run together; drop --speculative-algorithm on the prefill "
+            "instance or drop --enable-hierarchical-cache"
         )
-    if cfg.radix_cache_backend is not None:
-        problems.append(
-            f"{hicache} needs SGLang's built-in radix cache (got --radix-cache-backend {cfg.radix_cache_backend}): "
-            "owner rotation is kept on its tree nodes; drop --radix-cache-backend"
-        )
-    tree_core = _tree_core_env()
-    if tree_core.is_set() and tree_core.get() != "python":
-        problems.append(
-            f"{hicache} needs SGLang's Python radix tree core (got {tree_core.name}={tree_core.get()}): only it "
-            f"keeps the owner rotation of cached pages; unset {tree_core.name} or set it to python"
-        )
-    if not cfg.chunked_prefill_size or cfg.chunked_prefill_size <= 0 or cfg.chunked_prefill_size % DSA_PAGE_SIZE:
-        problems.append(
-            f"{hicache} needs chunked prefill in whole pages (got --chunked-prefill-size {cfg.chunked_prefill_size}): "
-            f"the owner-classed allocator extends requests page by page; use a multiple of {DSA_PAGE_SIZE}"
-        )
-    for option in ("enable_unified_memory", "enable_flexkv", "enable_streaming_session", "enable_session_radix_cache"):
-        if getattr(cfg, option):
-            flag = "--" + option.replace("_", "-")
-            problems.append(
-                f"{hicache} does not support {flag} (it allocates or tracks pages outside the owner-classed "
-                f"allocator's rotation); drop {flag}"
-            )
     return problems
 
 
@@ -217,11 +242,6 @@ def find_problems(server_args: Any) -> list[str]:
             "cannot be combined with --enable-dsa-cache-layer-split (a second way of de-replicating the "
             "same cache); drop one of the two flags"
         )
-    if cfg.enable_kv_cache_sharding:
-        problems.append(
-            "cannot be combined with --enable-kv-cache-sharding (SGLang's own page-interleaved pool would "
-            "replace ours); drop one of the two flags"
-        )
     if cfg.disaggregation_mode != "prefill":
         problems.append(
             f"runs only on a PD prefill instance (got --disaggregation-mode {cfg.disaggregation_mode}): each "
@@ -247,6 +267,7 @@ def find_problems(server_args: Any) -> list[str]:
             "or an fp8 cache's prefix dequantized to bf16; SGLang's fp8 default, flashmla_kv on SM90 and trtllm "
             "on SM100, reads other layouts); use --dsa-prefill-backend flashmla_sparse"
         )
+    problems += _sharding_problems(cfg)
     if cfg.enable_hierarchical_cache:
         problems += _hicache_problems(cfg)
     if cfg.enable_hisparse or cfg.enable_lmcache:
@@ -294,15 +315,16 @@ def validate(server_args: Any) -> None:
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise SharedKVConfigError(f"{FLAG}: {len(problems)} problem(s) with the server arguments:\n{lines}")
-    if resolving_view(server_args).enable_hierarchical_cache and not _tree_core_env().is_set():
-        # As SGLang's own sharding does: its default tree core may be Rust, which keeps no owner
-        # rotation on its nodes. The environment reaches the scheduler processes.
-        _tree_core_env().set("python")
     if not getattr(server_args, ATTR, False):
         # Bookkeeping attributes stay writable during resolution and are pickled to schedulers.
         setattr(server_args, ATTR, True)
+        # SGLang's own KV sharding does the work: its page-interleaved pool (the plugin's
+        # subclass), owner-rotating allocator, admission gate, HiCache tier and owner-page send.
+        declare_resolution(server_args, FLAG, enable_kv_cache_sharding=True)
         logger.info(
-            "%s: shared-KV prefill CP enabled (attn_cp_size=%d)", FLAG, resolving_view(server_args).attn_cp_size
+            "%s: shared-KV prefill CP on SGLang's KV sharding (attn_cp_size=%d)",
+            FLAG,
+            resolving_view(server_args).attn_cp_size,
         )
 
 

@@ -44,4 +44,3 @@ def make_page_shard_spec(original, kvc):
         chunk_tokens=spec.chunk_tokens,
         contexts=envs.SGLANG_NSA_CP_SCRATCH_CONTEXTS.get(),
     )
-

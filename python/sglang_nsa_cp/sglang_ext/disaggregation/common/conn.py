@@ -1,18 +1,12 @@
-"""Owned-page PD transfer on SGLang's own KV-sharding path. Mirrors
+"""Owned-page PD transfer on SGLang's own KV-sharding path: what the plugin adds. Mirrors
 `sglang/srt/disaggregation/common/conn.py`.
 
-With shared KV, CP rank r of N stores logical page p only if p % N == r, at local page p // N
-(`mem_cache.memory_pool.SharedKVDSATokenToKVPool`). SGLang 0.5.23's `--enable-kv-cache-sharding`
-transfer uses exactly that rule, so the plugin turns it on for the shared-KV prefill manager
-instead of shipping its own protocol beside SGLang's:
+The flag turns on SGLang 0.5.23's `--enable-kv-cache-sharding`, whose transfer already ships the
+pages each CP rank owns (logical page p on rank p % N at local page p // N): every CP rank is a
+sender of its owned KV pages (`filter_kv_indices_for_shard_rank`) and index-K pages
+(`_prepare_sharded_dsa_indices`), and the bootstrap advertises sharding, so any decode pulls from
+all N CP ranks and reports Success after all N did. The plugin adds the checks:
 
-- every CP rank is a real sender (`kv_shard_rank/size` on the manager: SGLang then sets
-  `enable_all_cp_ranks_for_transfer` and no dummy CP rank) that sends its owned KV pages
-  (SGLang's `filter_kv_indices_for_shard_rank`: local id p // N, request positions) and its owned
-  index-K pages (`mooncake/conn.py` here), coalesced into runs by SGLang's
-  `group_concurrent_contiguous`;
-- the bootstrap registration advertises `enable_kv_cache_sharding`, so any SGLang 0.5.23 decode,
-  with or without this plugin, pulls from all N CP ranks and reports Success only after all N did;
 - each rank checks, before it reports Success, that it handed every page it owns to the transfer
   exactly once (`owned_pages.OwnedPageLedger.finish`), and reports Failed with the difference
   otherwise; status messages carry the failure reason (a stock decode reads it);
@@ -29,7 +23,7 @@ instead of shipping its own protocol beside SGLang's:
   (ZMQ_MAXMSGSIZE, set while SGLang creates it). A stock decode ignores the frame.
 
 Prefill-side targets (act only on a shared-KV prefill manager, `ledger_of(mgr)` not None):
-`CommonKVManager.__init__`, `_register_topology_row`, `conclude_transfer`,
+`CommonKVManager.__init__`, `conclude_transfer`,
 `_encode_kv_status_message`; `CommonKVSender._prepare_send_indices`, `clear`.
 Decode-side targets (act only on rooms whose Success messages carry manifests, or on every room
 when the decode has the secret): `CommonKVManager.__init__` (the status socket's size limit,
@@ -80,10 +74,8 @@ def _state(mgr, name):
 
 # ---- prefill side ----------------------------------------------------------------------------------
 def init_owner_sharded_manager(original, self, args, disaggregation_mode, *rest, **kwargs):
-    """AROUND `CommonKVManager.__init__`: on a shared-KV prefill rank, make the manager a shard
-    rank of the CP group before SGLang's constructor reads it (it derives
-    `enable_all_cp_ranks_for_transfer`, `is_dummy_cp_rank` and the skipped-state rule from
-    `kv_shard_size`, and registers to the bootstrap server). On a decode, bound the frames its
+    """AROUND `CommonKVManager.__init__`: on a shared-KV prefill rank, the rank's ledger of owned
+    pages and status messages that carry a failure reason. On a decode, bound the frames its
     status socket accepts (`limit_status_frames`). Both keep the PD secret, if set."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
@@ -97,9 +89,6 @@ def init_owner_sharded_manager(original, self, args, disaggregation_mode, *rest,
             )
         parallel = get_parallel()
         rank, size = parallel.attn_cp_rank, parallel.attn_cp_size
-        if parallel.enable_kv_cache_sharding:
-            raise ValueError(f"{FLAG} cannot be combined with --enable-kv-cache-sharding")
-        self.kv_shard_rank, self.kv_shard_size = rank, size
         self.kv_status_msg_carries_reason = True  # a 4th frame; SGLang's decode parser reads it
         self.__dict__[_LEDGER] = OwnedPageLedger(rank, size)
         self.__dict__[_OUTGOING] = {}
@@ -134,15 +123,6 @@ def limit_status_frames(original, context, socket_type, *args, **kwargs):
         return original(context, socket_type, *args, **kwargs)
     finally:
         context.sockopts.pop(zmq.MAXMSGSIZE, None)
-
-
-def advertise_all_cp_ranks(original, self, url, payload):
-    """AROUND `CommonKVManager._register_topology_row`: tell decode instances that every CP rank
-    holds a distinct subset of the pages (SGLang's decode then targets all CP ranks and waits for
-    attn_cp_size responses, `_resolve_rank_mapping`)."""
-    if ledger_of(self) is not None:
-        payload = dict(payload, enable_kv_cache_sharding=True)
-    return original(self, url, payload)
 
 
 def expect_owned_kv_pages(original, self, kv_indices, state_indices=None):

@@ -7,15 +7,14 @@ Targets (act only on a shared-KV prefill manager, `ledger_of(mgr)` not None):
   queue (request positions, local page ids) for the rank's self-check and manifest, and fails the
   room with a reason, instead of queueing, when a decode destination list is shorter than the
   positions it must hold (SGLang's worker would index past its end and stop the transfer thread).
-- `MooncakeKVManager.maybe_send_extra` (AROUND): sends only the index-K pages this rank owns,
-  from its local pages p // N, to the decode pages at their positions. SGLang does this filtering
-  (`_prepare_sharded_dsa_indices`) only when its own `--enable-kv-cache-sharding` is on; the
-  shared-KV flag refuses that flag, so the plugin filters here and hands SGLang the owned lists.
+- `MooncakeKVManager.maybe_send_extra` (AROUND): records the index-K pages this rank owns, which
+  SGLang's sharded send (`_prepare_sharded_dsa_indices`) then ships from its local pages p // N to
+  the decode pages at their positions, and fails the room with a reason when the decode's list
+  does not pair with the prefill's (SGLang would raise in its transfer thread).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import numpy as np
@@ -101,9 +100,4 @@ def send_owned_index_pages(original, self, req, prefill_state_indices, executor,
             return -1
         mine = ledger.owned(full)
         ledger.record_index(req.room, len(full), np.nonzero(mine)[0], full[mine])
-        indices[i] = (full[mine] // ledger.cp_size).astype(np.int32) if mine.any() else None
-        while len(dst_lists) <= i:
-            dst_lists.append([])
-        dst_lists[i] = dst[mine].astype(np.int32).tolist()
-    req = dataclasses.replace(req, dst_state_indices=dst_lists)
-    return original(self, req, indices, executor, *args, **kwargs)
+    return original(self, req, prefill_state_indices, executor, *args, **kwargs)
