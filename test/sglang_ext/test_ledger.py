@@ -36,7 +36,7 @@ register_cpu_ci(est_time=20, suite="nsa-cp-test-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAG = "--enable-nsa-prefill-cp-shared-kv"
-CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+SPEC_HOOK = "mem_cache.page_interleave:make_page_shard_spec"
 
 _TINY_V32 = {
     "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "hidden_size": 256,
@@ -126,28 +126,28 @@ def test_every_hook_is_installed_after_load_plugins(plugin):
 
 
 def _rename_target(monkeypatch):
-    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.mem_cache import page_interleave
 
-    monkeypatch.delattr(KVCacheConfigurator, "_build_dsa_kv_pool")  # as if SGLang renamed it
+    monkeypatch.delattr(page_interleave, "make_page_shard_spec")  # as if SGLang renamed it
 
 
 def _change_signature(monkeypatch):
     """SGLang adds a parameter; the plugin's hook still wraps the new function."""
-    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.mem_cache import page_interleave
     from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 
-    def _build_dsa_kv_pool(self, *, max_total_num_tokens, max_running_requests, dsa_pool_class, layer_ids=None):
+    def make_page_shard_spec(kvc, contexts=None):
         raise AssertionError("not called")
 
-    hook = _point("mem_cache.kv_cache_configurator:build_dsa_kv_pool").load_hook()
-    monkeypatch.setattr(KVCacheConfigurator, "_build_dsa_kv_pool", _wrap_fn(_build_dsa_kv_pool, hook, HookType.AROUND))
+    hook = _point(SPEC_HOOK).load_hook()
+    monkeypatch.setattr(page_interleave, "make_page_shard_spec", _wrap_fn(make_page_shard_spec, hook, HookType.AROUND))
 
 
 def _unwrap_target(monkeypatch):
     """The original function back in place, as when apply_hooks failed on the target."""
-    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.mem_cache import page_interleave
 
-    monkeypatch.setattr(KVCacheConfigurator, "_build_dsa_kv_pool", KVCacheConfigurator._build_dsa_kv_pool.__wrapped__)
+    monkeypatch.setattr(page_interleave, "make_page_shard_spec", page_interleave.make_page_shard_spec.__wrapped__)
 
 
 def _drop_resolution_step(monkeypatch):
@@ -158,9 +158,9 @@ def _drop_resolution_step(monkeypatch):
 
 # (fault, the hook the refusal must name, what it must say)
 FAULTS = [
-    (_rename_target, "mem_cache.kv_cache_configurator:build_dsa_kv_pool", "its target no longer resolves"),
-    (_change_signature, "mem_cache.kv_cache_configurator:build_dsa_kv_pool", "its target's signature changed"),
-    (_unwrap_target, "mem_cache.kv_cache_configurator:build_dsa_kv_pool", "it is not installed"),
+    (_rename_target, SPEC_HOOK, "its target no longer resolves"),
+    (_change_signature, SPEC_HOOK, "its target's signature changed"),
+    (_unwrap_target, SPEC_HOOK, "it is not installed"),
     (_drop_resolution_step, "arg_groups.parallel_hook:validate_then", "it is not installed"),
 ]
 

@@ -96,19 +96,30 @@ def _wait_idle(server, timeout_s=60):
 
 
 def test_servers_start_with_the_plugin_and_report_n_times_the_capacity(cluster):
-    """The prefill reports N x the tokens of the replicated prefill in the same KV bytes per rank."""
+    """Both prefills get the same per-rank pool (--max-total-tokens is per rank); the shared one
+    serves N x its tokens through SGLang's KV sharding, in the same KV bytes per rank, with the
+    plugin's scratch: one context of cached prefix plus one chunk."""
     print(f"servers ready in {cluster.startup_s:.0f} s")
     shared, replicated = cluster.servers["shared"].info(), cluster.servers["replicated"].info()
-    assert shared["max_total_num_tokens"] == S.CP * replicated["max_total_num_tokens"] == S.CP * S.MAX_TOTAL_TOKENS
+    assert shared["max_total_num_tokens"] == replicated["max_total_num_tokens"] == S.MAX_TOTAL_TOKENS
     for rank, (sh, rep) in enumerate(zip(shared["internal_states"], replicated["internal_states"])):
-        assert sh["memory_usage"]["token_capacity"] == S.CP * rep["memory_usage"]["token_capacity"], rank
+        assert sh["memory_usage"]["token_capacity"] == rep["memory_usage"]["token_capacity"], rank  # per rank
         # the same KV bytes per rank (GB, SGLang's rounding): the shard holds 1/N of N x the pages
         assert sh["memory_usage"]["kvcache"] == pytest.approx(rep["memory_usage"]["kvcache"], abs=0.0015), rank
-    pages = S.CP * S.MAX_TOTAL_TOKENS // S.PAGE
+    # what the scheduler admits against (SGLang's load report, in logical tokens)
+    (shared_load,), (replicated_load,) = (
+        requests.get(cluster.servers[name].url + "/v1/loads", timeout=10).json()["loads"]
+        for name in ("shared", "replicated")
+    )
+    assert shared_load["max_total_num_tokens"] == S.CP * replicated_load["max_total_num_tokens"]
+    span = S.CP * S.PAGE
+    context = -(-S.MODEL["max_position_embeddings"] // span) * span
     for rank in range(S.CP):
-        stores = _log_lines_since(cluster.servers["shared"], 0, rf"Shared-KV DSA pool: CP rank {rank}/{S.CP} stores")
-        assert stores and f"of {pages + 1} logical pages" in stores[0], stores
-    assert not _log_lines_since(cluster.servers["replicated"], 0, "Shared-KV DSA pool")
+        pools = _log_lines_since(
+            cluster.servers["shared"], 0, rf"Page-interleave KV sharding enabled: shard_rank={rank} shard_size={S.CP} "
+        )
+        assert pools and f"prefix_tokens={context} chunk_tokens={S.CHUNK_TOKENS} " in pools[0], pools
+    assert not _log_lines_since(cluster.servers["replicated"], 0, "Page-interleave KV sharding enabled")
 
 
 def test_concurrent_requests_of_mixed_lengths_match_the_oracles(cluster):

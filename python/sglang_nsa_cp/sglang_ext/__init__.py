@@ -15,10 +15,12 @@ start when a ledger target no longer resolves, changed signature or is not patch
 (`ledger.check_patch_points()`). Each hook's module, which mirrors the SGLang file it hooks, says
 in its docstring how the hook works.
 
-The forward path itself (dense page tables for attention and the indexer, index-K writes and
-reads) needs no patch: `mem_cache.memory_pool.SharedKVDSATokenToKVPool` implements the contract of
-SGLang's own logical-page-sharded pools (`PageInterleaveKVPoolMixin`), which `dsa_backend` and
-`dsa_indexer` already honour; see docs/sglang_plugin.md.
+What the flag runs is SGLang's own KV sharding (`--enable-kv-cache-sharding`: its page-interleaved
+DSA pool, owner-rotating allocator, admission gate, HiCache host tier, sharded MTP draft pool and
+owner-page PD send), admitted on the Hopper path (`arg_groups/kv_shard_hook.py`), with the
+plugin's delta: the pool subclass (`mem_cache/page_interleave_pool.py`), the scratch in contexts
+(`mem_cache/page_interleave.py`), the narrow tail gather (`layers/`) and the PD checks
+(`disaggregation/`). docs/upstream.md is the change that would make each unnecessary.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ sharding: new requests, a second chunk over two cached pages, a radix hit on a s
 a third chunk and a new request, then a decode step on a non-CP pool assembled from each page's
 owner (what the owned-page PD transfer delivers). The pool's gather scratch is filled with NaN
 bytes as each batch begins. Sharded must equal SGLang's replicated CP bit for bit (`torch.equal`)
-at CP 2 (bf16, fp8), 3 and 4, and CP off wherever replicated CP does (SGLang's own top-k breaks
+at CP 2 (bf16, fp8; DeepSeek-V3.2's and GLM-5's model classes), 3 and 4, and CP off wherever
+replicated CP does (SGLang's own top-k breaks
 ties by position in each rank's packed logits row, docs/sglang_cpu_forward.md). Each override of
 the subclass has a test that fails without it.
 """
@@ -30,31 +31,36 @@ from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 from helpers import sglang_model_harness as H  # noqa: E402
 from sglang_nsa_cp.comm import run_ranks  # noqa: E402
 
-register_cpu_ci(est_time=300, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=330, suite="nsa-cp-test-cpu")
 
 PLUGIN_POOL = "sglang_nsa_cp.sglang_ext.mem_cache.page_interleave_pool"
-# (run name, mode, ranks, --kv-cache-dtype, plugin loaded)
+# (run name, checkpoint, mode, ranks, --kv-cache-dtype, plugin loaded)
 RUNS = (
-    ("off", "off", 1, "bfloat16", True),
-    ("replicated", "replicated", 2, "bfloat16", True),
-    ("sharded", "sharded", 2, "bfloat16", True),
-    ("sglang-sharded", "sharded", 2, "bfloat16", False),
-    ("fp8-replicated", "replicated", 2, "fp8_e4m3", True),
-    ("fp8-sharded", "sharded", 2, "fp8_e4m3", True),
-    ("replicated-cp3", "replicated", 3, "bfloat16", True),
-    ("sharded-cp3", "sharded", 3, "bfloat16", True),
-    ("replicated-cp4", "replicated", 4, "bfloat16", True),
-    ("sharded-cp4", "sharded", 4, "bfloat16", True),
+    ("off", "v32", "off", 1, "bfloat16", True),
+    ("replicated", "v32", "replicated", 2, "bfloat16", True),
+    ("sharded", "v32", "sharded", 2, "bfloat16", True),
+    ("sglang-sharded", "v32", "sharded", 2, "bfloat16", False),
+    ("fp8-replicated", "v32", "replicated", 2, "fp8_e4m3", True),
+    ("fp8-sharded", "v32", "sharded", 2, "fp8_e4m3", True),
+    ("replicated-cp3", "v32", "replicated", 3, "bfloat16", True),
+    ("sharded-cp3", "v32", "sharded", 3, "bfloat16", True),
+    ("replicated-cp4", "v32", "replicated", 4, "bfloat16", True),
+    ("sharded-cp4", "v32", "sharded", 4, "bfloat16", True),
+    ("glm5-replicated", "glm5", "replicated", 2, "bfloat16", True),
+    ("glm5-sharded", "glm5", "sharded", 2, "bfloat16", True),
 )
 STEPS = [f"prefill batch {b}" for b in range(len(H.ROTATED_BATCHES))] + ["decode step"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    path = H.write_checkpoint(str(tmp_path_factory.mktemp("tiny_v32")), H.TINY_V32)
+    paths = {
+        name: H.write_checkpoint(str(tmp_path_factory.mktemp(f"tiny_{name}")), cfg)
+        for name, cfg in (("v32", H.TINY_V32), ("glm5", H.TINY_GLM5))
+    }
     return {
-        name: run_ranks(H.run_rotated_scenario, world, args=(path, mode, kv, plugin), timeout_s=400)
-        for name, mode, world, kv, plugin in RUNS
+        name: run_ranks(H.run_rotated_scenario, world, args=(paths[ckpt], mode, kv, plugin), timeout_s=400)
+        for name, ckpt, mode, world, kv, plugin in RUNS
     }
 
 
@@ -67,7 +73,7 @@ def _assert_bitwise(got, want, where):
 @pytest.mark.parametrize(
     "sharded, replicated",
     [("sharded", "replicated"), ("fp8-sharded", "fp8-replicated"), ("sharded-cp3", "replicated-cp3"),
-     ("sharded-cp4", "replicated-cp4")],
+     ("sharded-cp4", "replicated-cp4"), ("glm5-sharded", "glm5-replicated")],
 )  # fmt: skip
 def test_sharded_pool_equals_replicated_cp_bit_for_bit(runs, sharded, replicated):
     for rank, (r, rep) in enumerate(zip(runs[sharded], runs[replicated], strict=True)):
