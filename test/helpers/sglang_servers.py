@@ -16,6 +16,7 @@ that the ports are closed again.
 from __future__ import annotations
 
 import os
+import re
 import random
 import signal
 import socket
@@ -272,8 +273,8 @@ DECODE_EXTRA_SLOTS = ["--disaggregation-decode-extra-slots", "8"]
 
 # HiCache's host tier on a CP prefill (test_sglang_server_hicache.py): a device pool of
 # HICACHE_DEVICE_TOKENS logical tokens (so a few prompts push a prefix out to host), a host pool
-# twice that. The shared pool's per-rank count is 1/N of its logical capacity (the owner-classed
-# allocator spans the N ranks' pages); the replicated pool holds every page on every rank.
+# twice that. --max-total-tokens is a rank's pool: the shared one holds 1/N of the logical capacity
+# (SGLang's owner-rotating allocator spans the N ranks' pages); the replicated one holds every page.
 # (A later argument wins: these --max-total-tokens override server_command's.)
 HICACHE_DEVICE_TOKENS = 1024
 HICACHE_ARGS = ["--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-io-backend", "kernel",
@@ -298,6 +299,26 @@ ROLES["fp8_decode"] = (ROLES["decode"][0] + FP8_KV_ARGS, False)
 for _flavour in ("shared", "replicated"):  # per-rank token counts for the same logical capacity
     _per_rank = HICACHE_DEVICE_TOKENS // CP if _flavour == "shared" else HICACHE_DEVICE_TOKENS
     ROLES[f"hicache_{_flavour}"] = (ROLES[_flavour][0] + HICACHE_ARGS + ["--max-total-tokens", str(_per_rank)], True)
+
+
+def logical_capacity(server: "Server") -> int:
+    """The tokens the server's scheduler admits against (SGLang's load report: logical tokens, N x a
+    rank's pool under KV sharding)."""
+    (load,) = requests.get(server.url + "/v1/loads", timeout=10).json()["loads"]
+    return load["max_total_num_tokens"]
+
+
+def scratch_logs(server: "Server", rank: int) -> list[str]:
+    """SGLang's line about rank `rank`'s sharded pool (its scratch regions), if it built one."""
+    pattern = rf"Page-interleave KV sharding enabled: shard_rank={rank} shard_size={CP} .*"
+    return re.findall(pattern, server.log_text())
+
+
+def one_context_scratch() -> str:
+    """What the plugin's default scratch is in that line: one context of the tiny model, rounded to
+    the shard group's gather span, plus one chunk."""
+    span = CP * PAGE
+    return f"prefix_tokens={-(-MODEL['max_position_embeddings'] // span) * span} chunk_tokens={CHUNK_TOKENS} "
 
 
 def server_command(model: str, port: int, role_args: list[str], bootstrap_port: int | None) -> list[str]:

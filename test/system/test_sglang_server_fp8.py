@@ -74,8 +74,8 @@ def _assert_same(where, results):
 
 
 def test_servers_start_with_fp8_pools_and_the_shared_one_holds_twice_the_tokens(cluster):
-    """Every pool is SGLang's fp8 one; a shared rank holds 2 x the replicated rank's logical tokens
-    in the same KV bytes."""
+    """Every pool is SGLang's fp8 one; a shared rank's pool is the replicated rank's size in the
+    same KV bytes, and the shared prefill admits 2 x the logical tokens (SGLang's KV sharding)."""
     print(f"servers ready in {cluster.startup_s:.0f} s")
     pools = {name: re.findall(POOL_LOG, cluster.servers[name].log_text()) for name in (*PREFILLS, "fp8_decode")}
     for name, lines in pools.items():
@@ -85,26 +85,22 @@ def test_servers_start_with_fp8_pools_and_the_shared_one_holds_twice_the_tokens(
     for name, lines in pools.items():
         assert all(dtype == "torch.float8_e4m3fn" for dtype, _, _ in lines), (name, lines)
     for (_, sh_tokens, sh_gb), (_, rep_tokens, rep_gb) in zip(shared, replicated):
-        assert int(sh_tokens) == S.CP * int(rep_tokens) == S.CP * S.MAX_TOTAL_TOKENS, pools
-        assert sh_gb == rep_gb, pools
-    # SGLang's memory report (its finer rounding: GB, 3 decimals): a replicated rank holds
-    # MAX_TOTAL_TOKENS fp8 rows per layer; a shared rank the same bytes for twice the logical tokens
+        assert int(sh_tokens) == int(rep_tokens) == S.MAX_TOTAL_TOKENS and sh_gb == rep_gb, pools
+    # SGLang's memory report (its finer rounding: GB, 3 decimals): a rank holds MAX_TOTAL_TOKENS fp8
+    # rows per layer on either prefill
     fp8_gb = S.MAX_TOTAL_TOKENS * S.MODEL["num_hidden_layers"] * FP8_TOKEN_BYTES / GB
     info = {name: cluster.servers[name].info() for name in PREFILLS}
     for sh, rep in zip(info["fp8_shared"]["internal_states"], info["fp8_replicated"]["internal_states"]):
         sh, rep = sh["memory_usage"], rep["memory_usage"]
-        print(f"per-rank kvcache GB: shared {sh['kvcache']} for {sh['token_capacity']} tokens, replicated "
-              f"{rep['kvcache']} for {rep['token_capacity']} tokens; fp8 rows of {FP8_TOKEN_BYTES} B: {fp8_gb:.4f}")  # fmt: skip
-        assert sh["token_capacity"] == S.CP * rep["token_capacity"] == S.CP * S.MAX_TOTAL_TOKENS, (sh, rep)
+        print(f"per-rank kvcache GB: shared {sh['kvcache']}, replicated {rep['kvcache']}; fp8 rows: {fp8_gb:.4f}")
         assert rep["kvcache"] == pytest.approx(fp8_gb, abs=0.0006), (rep, fp8_gb)
         assert sh["kvcache"] == pytest.approx(rep["kvcache"], abs=0.0006), (sh, rep)
-    pages = S.CP * S.MAX_TOTAL_TOKENS // S.PAGE
+    shared_tokens, replicated_tokens = (S.logical_capacity(cluster.servers[name]) for name in PREFILLS)
+    assert shared_tokens == S.CP * replicated_tokens, (shared_tokens, replicated_tokens)
     for rank in range(S.CP):
-        stores = re.findall(
-            rf"Shared-KV DSA pool: CP rank {rank}/{S.CP} stores .*", cluster.servers["fp8_shared"].log_text()
-        )
-        assert stores and f"of {pages + 1} logical pages" in stores[0], stores
-    assert "Shared-KV DSA pool" not in cluster.servers["fp8_replicated"].log_text()
+        pools = S.scratch_logs(cluster.servers["fp8_shared"], rank)
+        assert pools and S.one_context_scratch() in pools[0], pools
+    assert not S.scratch_logs(cluster.servers["fp8_replicated"], 0)
 
 
 def test_prompt_of_three_chunks_reads_fp8_history(cluster):

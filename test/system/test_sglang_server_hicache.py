@@ -55,13 +55,15 @@ def _generate(cluster, prefill, ids):
 
 
 def test_servers_start_with_the_same_logical_capacity_and_a_1_in_n_host_pool(cluster):
-    """Both prefills hold HICACHE_DEVICE_TOKENS logical device tokens; a shared rank's host pool is
-    1/N of a replicated rank's (SGLang adds one padding page to each)."""
+    """Both prefills admit HICACHE_DEVICE_TOKENS logical device tokens, a shared rank holding 1/N of
+    them; a shared rank's host pool is 1/N of a replicated rank's (SGLang adds one padding page to
+    each)."""
     print(f"servers ready in {cluster.startup_s:.0f} s")
     shared, replicated = (cluster.servers[n] for n in PREFILLS)
-    for server in (shared, replicated):
+    for server, per_rank in ((shared, S.HICACHE_DEVICE_TOKENS // S.CP), (replicated, S.HICACHE_DEVICE_TOKENS)):
         device = _logged_ints(server, r"KV Cache is allocated\. .*#tokens: (\d+)")
-        assert device == [S.HICACHE_DEVICE_TOKENS] * S.CP, (server.name, device)
+        assert device == [per_rank] * S.CP, (server.name, device)  # a rank's pool
+        assert S.logical_capacity(server) == S.HICACHE_DEVICE_TOKENS, server.name  # what the scheduler admits
     host = {
         s.name: _logged_ints(s, r"Allocating kv hierarchical KV host pool: (\d+) tokens") for s in (shared, replicated)
     }

@@ -107,20 +107,11 @@ def test_servers_start_with_the_plugin_and_report_n_times_the_capacity(cluster):
         # the same KV bytes per rank (GB, SGLang's rounding): the shard holds 1/N of N x the pages
         assert sh["memory_usage"]["kvcache"] == pytest.approx(rep["memory_usage"]["kvcache"], abs=0.0015), rank
     # what the scheduler admits against (SGLang's load report, in logical tokens)
-    (shared_load,), (replicated_load,) = (
-        requests.get(cluster.servers[name].url + "/v1/loads", timeout=10).json()["loads"]
-        for name in ("shared", "replicated")
-    )
-    assert shared_load["max_total_num_tokens"] == S.CP * replicated_load["max_total_num_tokens"]
-    span = S.CP * S.PAGE
-    context = -(-S.MODEL["max_position_embeddings"] // span) * span
+    assert S.logical_capacity(cluster.servers["shared"]) == S.CP * S.logical_capacity(cluster.servers["replicated"])
     for rank in range(S.CP):
-        pools = _log_lines_since(
-            cluster.servers["shared"], 0, rf"Page-interleave KV sharding enabled: shard_rank={rank} shard_size={S.CP} "
-        )
-        assert pools and f"prefix_tokens={context} chunk_tokens={S.CHUNK_TOKENS} " in pools[0], pools
-    assert not _log_lines_since(cluster.servers["replicated"], 0, "Page-interleave KV sharding enabled")
-
+        pools = S.scratch_logs(cluster.servers["shared"], rank)
+        assert pools and S.one_context_scratch() in pools[0], pools
+    assert not S.scratch_logs(cluster.servers["replicated"], 0)
 
 def test_concurrent_requests_of_mixed_lengths_match_the_oracles(cluster):
     shared = cluster.servers["shared"]
