@@ -1,37 +1,50 @@
-"""CPU, ~3-6 min (runs of 5, 4 and 4 processes, each importing SGLang, on 2 cores): the
+"""CPU, ~4-6 min (runs of 5, 4, 4 and 4 processes, each importing SGLang, on 2 cores): the
 owned-page PD transfer inside SGLang 0.5.23's Mooncake disaggregation (sglang_ext/disaggregation/),
 with bf16 and fp8 KV, and with an MTP draft pool.
 
 Every role is its own spawned process running SGLang's real classes over Mooncake's TCP transport
 on 127.0.0.1, the way a prefill CP rank and a decode scheduler run them:
 
-- prefill CP rank r of N: `SharedKVDSATokenToKVPool` (the plugin's pool; its shard holds logical
-  page p % N == r at local page p // N, filled with a byte pattern of (page, layer, kind)), the
-  KV manager built by SGLang's own `PrefillBootstrapQueue._init_kv_manager` (buffer registration,
-  DSA state set-up, `MooncakeKVManager` with its bootstrap and transfer threads), the plugin loaded
-  through its entry point, and per request a `MooncakeKVSender` driven like
-  `Scheduler._send_kv_chunk` drives it (`init`, `send` per chunk of logical page ids, the DSA
-  state pages on the last chunk, `poll`). Rank 0 also runs SGLang's bootstrap server.
+- prefill CP rank r of N, with the plugin's flag and so SGLang's `--enable-kv-cache-sharding`
+  on: SGLang's page-interleaved DSA pool (`PageInterleaveDSATokenToKVPool`, the plugin's
+  subclass once loaded; `size` per rank, local page p // N holds logical page p of class
+  p % N == r, logical pages 0..N-1 are the padding pages; filled with a byte pattern of (page,
+  layer, kind)) over SGLang's attention-CP `GroupCoordinator` (gloo; the CPU stand-in turns the
+  pool's PyNccl history gather into a gloo all-gather), the KV manager built by SGLang's own
+  `PrefillBootstrapQueue._init_kv_manager` (buffer registration, DSA state set-up,
+  `MooncakeKVManager` with its bootstrap and transfer threads; SGLang takes the shard rank and
+  size from the group and ships only the owned KV and index-K pages), the plugin loaded through
+  its entry point (its ledger, self-check and manifests), and per request a `MooncakeKVSender`
+  driven like `Scheduler._send_kv_chunk` drives it (`init`, `send` per chunk of logical page ids,
+  the DSA state pages on the last chunk, `poll`). Rank 0 also runs SGLang's bootstrap server.
 - decode: a stock `DSATokenToKVPool` (no CP), the manager built by
   `DecodePreallocQueue._init_kv_manager`, and per request a `MooncakeKVReceiver`
   (`try_ensure_parallel_info`, `init`, `send_metadata` with its destination pages, `poll`). One
   decode loads the plugin (no flag), one is stock SGLang (plugin not loaded).
-- with EAGLE / NEXTN: an MTP draft pool on each side (the prefill's a shard, the decode's stock),
-  registered through the same `_init_kv_manager` calls as SGLang's draft KV pool.
+- with an EAGLE MTP draft: a draft pool on each side (the prefill's built as SGLang's
+  `_build_mtp_kv_shard_pool` builds it: its own buffers with the target's size, shard spec and
+  group; the decode's stock), registered through the same `_init_kv_manager` calls as SGLang's
+  draft KV pool.
+
+Request pages are logical page ids under SGLang's placement (>= N, owner p % N); one request's
+come from SGLang's owner-rotating allocator (`PageInterleavePoolAllocator`), its decode pages
+dealt out grouped by owner as the plugin's decode hook deals them.
 
 Checked: a committed request's pages (MLA latent and index-K, every layer) are at the decode pages
 of their positions and nothing else in the decode pool changed; each rank writes exactly its owned
-pages (bytes = owned pages x page bytes + the request's metadata), runs coalesced; a rank that
-never sends, a page a rank drops (caught by the rank's self-check, or with that bypassed by the
-decode's manifest check) fail the request with a reason naming the problem, and the next request
-commits. Every process has SGLANG_NSA_CP_PD_SECRET, so manifests are keyed (the stock decode
+pages (bytes = owned pages x page bytes + the request's metadata), the allocator's request in one
+run per rank; a rank that never sends, a page a rank drops (caught by the rank's self-check, or
+with that bypassed by the decode's manifest check) fail the request with a reason naming the
+problem, and the next request commits. Every process has SGLANG_NSA_CP_PD_SECRET, so manifests are keyed (the stock decode
 ignores them). With fp8 KV (656-byte FlashMLA rows written by the pools' own
 `set_mla_kv_buffer`), the decode's pages equal a replicated prefill's (SGLang's own fp8 pool),
 byte for byte. A rank whose write comes after the decode gave up on the room: SGLang's deferred
 release (the drain ack) makes the pages safe to reuse only after that write landed (issue 17).
-In process: the commit rule against the decode's own request, hostile manifest frames (nested,
-oversized, 2e7 ranks, unkeyed, replayed) and the status socket's size limit. Not run here: the scheduler loop around these calls (the CP all-reduce of poll states,
-the radix cache, chunked-prefill scheduling), RDMA, GPU memory.
+In process: the rank's self-check, the commit rule against the decode's own request, hostile
+manifest frames (nested, oversized, 2e7 ranks, unkeyed, replayed), the hooks' pass-through
+without the flag and the status socket's size limit. Not run here: the scheduler loop around
+these calls (the CP all-reduce of poll states, the radix cache, chunked-prefill scheduling), the
+pool's forward (test/sglang_ext/mem_cache/test_page_interleave_pool.py), RDMA, GPU memory.
 """
 
 from __future__ import annotations
@@ -64,7 +77,7 @@ KV_FORMATS = {
 }
 KV_PAGE_BYTES = KV_FORMATS["bfloat16"][2]  # the tests without fp8
 INDEX_PAGE_BYTES = PAGE * 132  # fp8 keys + fp32 scales of one page, one layer
-PREFILL_PAGES = 48  # logical pages of the prefill pool (page 0: SGLang's padding page)
+PREFILL_PAGES = 48  # logical pages of the prefill CP group (pages 0..N-1: SGLang's padding pages); N divides it
 DECODE_PAGES = 96
 WAITING_TIMEOUT_S = 6  # decode: SGLANG_DISAGGREGATION_WAITING_TIMEOUT
 SENTINEL = 0xEE
@@ -104,9 +117,9 @@ def _latent(logical: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _write_latent(pool, pages):
     """Write `pages`' latent through the pool's own `set_mla_kv_buffer`, as attention does: the
-    shared pool quantizes once and persists its owned rows, SGLang's pool stores every row. The
-    quantizer is the torch twin of SGLang's Triton one in both (sglang_cpu_forward.md: the
-    interpreter is too slow for it)."""
+    sharded pool (the plugin's subclass; outside an extend, no scratch) quantizes once and
+    persists its owned rows, SGLang's replicated pool stores every row. The quantizer is the torch
+    twin of SGLang's Triton one in both (sglang_cpu_forward.md: the interpreter is too slow for it)."""
     from helpers import sglang_cpu_stand_ins
 
     sglang_cpu_stand_ins.install_fp8_kv_stand_ins()
@@ -117,21 +130,29 @@ def _write_latent(pool, pages):
             pool.set_mla_kv_buffer(None, loc, nope, rope, layer_id_override=layer)
 
 
-def _publish(mode, cp_size, cp_rank, bootstrap_port, shared_kv):
+def _publish(mode, cp_size, cp_rank, bootstrap_port, shard_group=None):
+    """Publish the process's ServerArgs and ranks. shard_group: a shared-KV prefill CP rank's
+    attention-CP group; then the plugin's flag and SGLang's `--enable-kv-cache-sharding` are on,
+    as the plugin's start-up validation leaves them (`CommonKVManager.__init__` reads the shard
+    rank and size off that group, Mooncake's DSA state send filters by them)."""
     from sglang.srt.runtime_context import get_context, get_parallel
     from sglang.srt.server_args import ServerArgs
 
     from sglang_nsa_cp.sglang_ext.server_args import ATTR
 
+    shared_kv = shard_group is not None
     server_args = ServerArgs(
         model_path="dummy", device="cpu", host="127.0.0.1", port=free_port(), page_size=PAGE,
         disaggregation_mode=mode, disaggregation_transfer_backend="mooncake",
         disaggregation_bootstrap_port=bootstrap_port, tp_size=cp_size, attn_cp_size=cp_size,
-        enable_prefill_cp=cp_size > 1,
+        enable_prefill_cp=cp_size > 1, enable_kv_cache_sharding=shared_kv,
     )  # fmt: skip
     if shared_kv:
         setattr(server_args, ATTR, True)  # what the plugin's start-up validation writes
     get_context().set_server_args(server_args)
+    if shared_kv:
+        get_parallel().override_permanently(attn_cp_group=shard_group)
+    assert get_parallel().enable_kv_cache_sharding == shared_kv
     get_parallel().override_permanently(
         tp_rank=cp_rank,
         attn_cp_rank=cp_rank,
@@ -252,18 +273,49 @@ class _Traffic:
 def _fill_shard(pool, rank, cp_size, kv="bfloat16", latent_pages=(), first_layer=0):
     """bf16: byte patterns of (page, layer, kind) in every owned page. fp8: the index pages the
     same, the latent of `latent_pages` written by the pool from `_latent` (quantized on write).
-    first_layer: the pattern's layer of the pool's layer 0 (an MTP draft pool's one layer is LAYERS)."""
+    SGLang's sharded pool holds the rank's local pages: logical page p (p % N == rank, p >= N) at
+    local page p // N; local page 0 is the padding pages'. first_layer: the pattern's layer of the
+    pool's layer 0 (an MTP draft pool's one layer is LAYERS)."""
     page_bytes = KV_FORMATS[kv][2]
+    local_pages = pool.size // PAGE + 1  # SGLang's pool: size + one page
+    assert cp_size * local_pages == PREFILL_PAGES, (cp_size, local_pages)
     for layer in range(pool.layer_num):
-        latent = pool.store.latent[layer].view(torch.uint8).view(pool.store.local_pages, -1)
-        index = pool.store.index[layer]
-        assert latent.shape[1] == page_bytes and index.shape[1] == INDEX_PAGE_BYTES
-        for logical in range(rank, pool.num_logical_pages, cp_size):
+        latent = pool.kv_buffer[layer].view(torch.uint8).view(local_pages, -1)
+        index = pool.index_k_with_scale_buffer[layer]
+        assert latent.shape[1] == page_bytes and index.shape == (local_pages, INDEX_PAGE_BYTES), index.shape
+        for logical in range(cp_size + rank, PREFILL_PAGES, cp_size):
             if kv == "bfloat16":
                 latent[logical // cp_size] = _pattern(logical, first_layer + layer, 0, page_bytes)
             index[logical // cp_size] = _pattern(logical, first_layer + layer, 1, INDEX_PAGE_BYTES)
     if kv != "bfloat16":
         _write_latent(pool, latent_pages)
+
+
+def _sharded_pools(rank, cp_size, shard_group, kv, draft):
+    """The rank's SGLang page-interleaved DSA pool (the plugin's subclass: the plugin is loaded),
+    as SGLang's KV configurator builds it under KV sharding: `size` is per rank, the spec the
+    plugin's `make_page_shard_spec` gives, the attention-CP group as shard group. With a draft,
+    the MTP layer's pool as `_build_mtp_kv_shard_pool` builds it: the target's size, spec and
+    group, its own buffers."""
+    from sglang.srt.mem_cache import page_interleave_pool
+    from sglang.srt.runtime_context import get_parallel
+
+    from helpers.sglang_model_harness import shard_spec
+
+    import sglang_nsa_cp.sglang_ext.mem_cache.page_interleave_pool as plugin_pool
+
+    pool_class = page_interleave_pool.PageInterleaveDSATokenToKVPool
+    assert pool_class is plugin_pool.PageInterleaveDSATokenToKVPool, "the plugin's REPLACE hook did not take"
+    spec = shard_spec(rank, cp_size, context_len=4 * PAGE, chunk_tokens=4 * PAGE, contexts=1)
+    size = (PREFILL_PAGES // cp_size - 1) * PAGE
+    with get_parallel().override(attn_dcp_size=1, dcp_enabled=False):
+        pool = pool_class(**_pool_kwargs(size, kv), shard_spec=spec, shard_group=shard_group)
+        draft_pool = None
+        if draft:
+            draft_pool = pool_class(
+                **_pool_kwargs(pool.size, kv, layers=1), shard_spec=pool.shard_spec, shard_group=pool.shard_group
+            )
+    return pool, draft_pool
 
 
 def _install_faults(rank, faults, traffic):
@@ -314,34 +366,20 @@ def _install_faults(rank, faults, traffic):
     plugin_conn.self_check = lenient_self_check
 
 
-def _prefill_rank(rank, cp_size, bootstrap_port, requests, faults, draft=False, kv="bfloat16") -> list:
+def _prefill_rank(rank, cp_size, shard_group, bootstrap_port, requests, faults, draft=False, kv="bfloat16") -> list:
     results = []
     _env()
     _load_plugin()
-    server_args = _publish("prefill", cp_size, rank, bootstrap_port, shared_kv=True)
+    server_args = _publish("prefill", cp_size, rank, bootstrap_port, shard_group)
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVBootstrapServer, MooncakeKVSender
     from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
     from sglang.srt.disaggregation.utils import TransferBackend
-    from sglang.srt.runtime_context import get_parallel
-
-    from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import SharedKVDSATokenToKVPool
 
     if rank == 0:  # in SGLang the prefill's HTTP server process runs it
         MooncakeKVBootstrapServer("127.0.0.1", bootstrap_port)
     _wait(lambda: _port_open(bootstrap_port), bool, 90, "bootstrap server", interval_s=0.2)
-    draft_pool = None
-    with get_parallel().override(attn_dcp_size=1, dcp_enabled=False):
-        pool = SharedKVDSATokenToKVPool(
-            **_pool_kwargs((PREFILL_PAGES - 1) * PAGE, kv), cp_rank=rank, cp_size=cp_size, cp_group=None
-        )
-        if draft:  # the MTP layer's own shard, as the configurator hook builds it for an EAGLE draft
-            draft_pool = SharedKVDSATokenToKVPool(
-                **_pool_kwargs((PREFILL_PAGES - 1) * PAGE, kv, layers=1),
-                cp_rank=rank,
-                cp_size=cp_size,
-                cp_group=None,
-            )
+    pool, draft_pool = _sharded_pools(rank, cp_size, shard_group, kv, draft)
     _fill_shard(pool, rank, cp_size, kv, sorted({p for req in requests for p in req["pages"]}))
     if draft_pool is not None:
         _fill_shard(draft_pool, rank, cp_size, first_layer=LAYERS)
@@ -409,7 +447,7 @@ def _decode(name, plugin, bootstrap_port, requests, draft=False, kv="bfloat16") 
     _env(waiting_timeout=WAITING_TIMEOUT_S)
     if plugin:
         _load_plugin()
-    server_args = _publish("decode", 1, 0, bootstrap_port, shared_kv=False)
+    server_args = _publish("decode", 1, 0, bootstrap_port)
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.decode import DecodePreallocQueue
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
@@ -520,12 +558,32 @@ def _abort_and_wait_for_drain(mgr, receiver, req, latent, dst):
 
 
 # ---- the harness --------------------------------------------------------------------------------------
+def _attn_cp_group(rank, world_size, cp_size):
+    """SGLang's attention-CP `GroupCoordinator` over the prefill ranks 0..N-1 (gloo): the shard
+    group of their pools. Creating a group is collective, so every process builds it; a decode
+    gets a group of its own. The pool's PyNccl history gather becomes a gloo all-gather
+    (`GlooAllGather`, the CPU stand-in), installed before any pool is built."""
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
+    from sglang.srt.mem_cache import page_interleave_pool
+
+    from helpers.sglang_cpu_stand_ins import GlooAllGather
+
+    page_interleave_pool.PyNcclCommunicator = GlooAllGather
+    ranks = [list(range(cp_size))] + [[r] for r in range(cp_size, world_size)]
+    off = dict(use_pynccl=False, use_mscclpp=False, use_custom_allreduce=False, use_torch_symm_mem_all_reduce=False,
+               use_hpu_communicator=False, use_xpu_communicator=False)  # fmt: skip
+    group = GroupCoordinator(ranks, local_rank=rank, torch_distributed_backend="gloo", group_name="attn_cp", **off)
+    assert group.world_size == (cp_size if rank < cp_size else 1), (rank, group.ranks)
+    return group
+
+
 def _role(rank, world_size, group, cp_size, decodes, prefill_requests, faults, bootstrap_port, draft, kv) -> list:
     """One process of a PD run (`run_ranks`): ranks 0..N-1 are the prefill CP ranks, the others
     the decodes, in `decodes` order. Each serves until every role is done (the barrier: a prefill
     rank's bootstrap server and transfer threads must outlive the decodes' last poll)."""
+    shard_group = _attn_cp_group(rank, world_size, cp_size)
     if rank < cp_size:
-        out = _prefill_rank(rank, cp_size, bootstrap_port, prefill_requests, faults, draft, kv)
+        out = _prefill_rank(rank, cp_size, shard_group, bootstrap_port, prefill_requests, faults, draft, kv)
     else:
         name, (plugin, requests) = list(decodes.items())[rank - cp_size]
         out = _decode(name, plugin, bootstrap_port, requests, draft, kv)
@@ -535,7 +593,7 @@ def _role(rank, world_size, group, cp_size, decodes, prefill_requests, faults, b
 
 def _run(cp_size, decodes, prefill_requests, faults, timeout_s=240, draft=False, kv="bfloat16"):
     """Start N prefill ranks and the decodes; return their reports. decodes: {name: (plugin, requests)};
-    draft: every side also registers an MTP draft pool (EAGLE / NEXTN); kv: --kv-cache-dtype."""
+    draft: every side also registers an MTP draft pool (EAGLE); kv: --kv-cache-dtype."""
     args = (cp_size, decodes, prefill_requests, faults, free_port(), draft, kv)
     reports = {"ready": {}, "room": {}}
     for messages in run_ranks(_role, cp_size + len(decodes), args=args, timeout_s=timeout_s):
@@ -549,6 +607,21 @@ def _run(cp_size, decodes, prefill_requests, faults, timeout_s=240, draft=False,
 
 def _request(room, pages, dst, chunks=None, **extra):
     return dict(room=room, pages=list(pages), dst=list(dst), aux=room % 16, chunks=chunks or [len(pages)], **extra)
+
+
+def _allocator_pages(cp_size, num_pages):
+    """Logical pages of requests of `num_pages` pages each, taken in turn from SGLang's
+    owner-rotating allocator over the prefill group's pages (`PageInterleavePoolAllocator`, what a
+    server builds under KV sharding; `RotatedPagedRequests` drives it)."""
+    from helpers.paged_requests import RotatedPagedRequests
+
+    table = torch.zeros((len(num_pages), max(num_pages) * PAGE), dtype=torch.int32)
+    requests = RotatedPagedRequests(table, PREFILL_PAGES // cp_size - 1, PAGE, cp_size)
+    out = []
+    for i, n in enumerate(num_pages):
+        _, _, loc = requests.extend([(i, n * PAGE)])
+        out.append((loc[::PAGE] // PAGE).tolist())
+    return out
 
 
 def _owned(pages, rank, cp_size):
@@ -580,27 +653,37 @@ def _check_failed(reports, decode, room, *needles):
 
 
 def test_four_ranks_send_owned_pages_and_faults_fail_cleanly():
-    """N = 4, a decode with the plugin: pages land at their positions; a silent rank, a dropped
-    page (self-check) and a dropped page with the self-check bypassed (decode manifest check)
-    each fail their request with the reason; the request after each commits."""
+    """N = 4, a decode with the plugin: pages land at their positions; a request whose pages come
+    from SGLang's owner-rotating allocator, its decode pages grouped by owner, is one run per rank;
+    a silent rank, a dropped page (self-check) and a dropped page with the self-check bypassed
+    (decode manifest check) each fail their request with the reason; the request after each
+    commits."""
+    from sglang_nsa_cp.sglang_ext.disaggregation.owner_grouped_pages import owner_grouped_pages
+
     n = 4
     rng = np.random.default_rng(4)
     dst = iter(range(1, DECODE_PAGES))
     reqs = []
 
-    def add(pages, **kw):
-        reqs.append(_request(100 + len(reqs), pages, [next(dst) for _ in pages], **kw))
+    def add(pages, grouped_dst=False, **kw):
+        pages_dst = [next(dst) for _ in pages]
+        if grouped_dst:  # dealt out grouped by owner, as the plugin's decode hook allocates them
+            pages_dst = owner_grouped_pages(pages_dst, n).tolist()
+        reqs.append(_request(100 + len(reqs), pages, pages_dst, **kw))
         return reqs[-1]
 
-    mixed = add(rng.choice(np.arange(1, PREFILL_PAGES), 11, replace=False).tolist(), chunks=[4, 4, 3])
-    # compute-owner layout: each rank's pages at consecutive positions and local pages -> one run
-    grouped = add([p for r in range(n) for p in (8 + r, 12 + r, 16 + r)])
-    silent = add(rng.choice(np.arange(1, PREFILL_PAGES), 8, replace=False).tolist(), silent=[2])
+    mixed = add(rng.choice(np.arange(n, PREFILL_PAGES), 11, replace=False).tolist(), chunks=[4, 4, 3])
+    # SGLang's allocator: the k-th page on rank (b + k) % N, each rank's local pages consecutive;
+    # with owner-grouped decode pages every rank's positions are one run (b = 1 here)
+    rotated = _allocator_pages(n, [5, 12])[1]
+    assert rotated[0] % n == 1, rotated
+    grouped = add(rotated, grouped_dst=True)
+    silent = add(rng.choice(np.arange(n, PREFILL_PAGES), 8, replace=False).tolist(), silent=[2])
     after_silent = add(list(range(20, 29)), chunks=[5, 4])
     dropped = add(list(range(30, 39)))
     after_dropped = add(list(range(5, 12)))
-    bypassed = add(list(range(1, 9)), chunks=[4, 4])
-    last = add(rng.choice(np.arange(1, PREFILL_PAGES), 6, replace=False).tolist())
+    bypassed = add(list(range(4, 12)), chunks=[4, 4])
+    last = add(rng.choice(np.arange(n, PREFILL_PAGES), 6, replace=False).tolist())
     faults = {("drop", 1): {dropped["room"]}, ("drop", 3): {bypassed["room"]}, ("bypass", 3): {bypassed["room"]}}
 
     reports = _run(n, {"plugin": (True, reqs)}, reqs, faults)
@@ -658,8 +741,9 @@ def test_two_ranks_serve_a_plugin_decode_and_a_stock_decode():
 
 # ---- the bookkeeping and the hooks' pass-through, in process ---------------------------------------------
 def test_mtp_draft_pages_ride_the_owned_page_transfer():
-    """EAGLE / NEXTN (docs/speculative.md): the MTP layer's own shared pool registered as SGLang's
-    draft KV pool on the prefill ranks, a stock `DSATokenToKVPool` draft pool on each decode. N = 2,
+    """EAGLE (docs/speculative.md): the MTP layer's sharded pool (the target's size, spec and
+    shard group, as SGLang's `_build_mtp_kv_shard_pool` builds it) registered as SGLang's draft KV
+    pool on the prefill ranks, a stock `DSATokenToKVPool` draft pool on each decode. N = 2,
     a plugin decode and a stock decode: the draft's latent and index-K pages land at the decode's
     draft pages of their positions next to the target's, each rank sending the draft pages it owns
     (bytes = owned pages x (target + draft) page bytes); a page a rank drops fails the request with
@@ -696,7 +780,7 @@ def test_fp8_pages_reach_the_decode_byte_equal_to_a_replicated_prefill():
     only); the decode pages of every position are byte-equal to what SGLang's own fp8 pool of a
     replicated prefill holds for the same latent, and each rank sends only its owned fp8 pages."""
     n = 2
-    pages = [3, 9, 4, 1, 6, 2, 11]
+    pages = [3, 9, 4, 13, 6, 2, 11]  # logical pages >= N: 0..N-1 are SGLang's padding pages
     p_req = _request(400, pages, list(range(1, 8)), chunks=[3, 4])
     s_req = _request(500, pages[::-1], list(range(20, 27)))
     reports = _run(n, {"plugin": (True, [p_req]), "stock": (False, [s_req])}, [p_req, s_req], {}, kv="fp8_e4m3")
@@ -851,6 +935,7 @@ def test_hostile_manifest_frames_never_raise_in_the_decode_thread():
 def test_hooks_pass_through_when_shared_kv_is_off(monkeypatch):
     """Without the flag the prefill hooks change nothing; a non-Mooncake prefill manager is refused;
     a decode manager only gets its status-frame limit and the PD secret (none here)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as hooks
@@ -862,9 +947,9 @@ def test_hooks_pass_through_when_shared_kv_is_off(monkeypatch):
     monkeypatch.setattr(hooks, "is_enabled", lambda: False)
     hooks.init_owner_sharded_manager(original, mgr, kv_args, DisaggregationMode.PREFILL, "server_args")
     assert vars(mgr) == {} and len(calls) == 1
-    payload = {"enable_kv_cache_sharding": False}
-    hooks.advertise_all_cp_ranks(original, mgr, "url", payload)
-    assert calls[-1][0][2] is payload
+    # no ledger: a Success concludes as SGLang concludes it (SGLang advertises its own sharding)
+    hooks.check_before_concluding(original, mgr, bootstrap_room=7, status=KVPoll.Success)
+    assert calls[-1] == ((mgr,), {"bootstrap_room": 7, "status": KVPoll.Success}) and vars(mgr) == {}
     monkeypatch.setattr(hooks, "is_enabled", lambda: True)
     monkeypatch.delenv("SGLANG_NSA_CP_PD_SECRET", raising=False)
     hooks.init_owner_sharded_manager(original, mgr, kv_args, DisaggregationMode.DECODE, "server_args")

@@ -4,8 +4,8 @@
 Target: `DecodePreallocQueue._alloc_for_decode_prealloc` (AROUND), which `_pre_alloc` calls to
 take a request's token slots from the allocator before it writes them into `req_to_token` and
 sends their pages to the prefill (`send_metadata`). When the request's prefill advertises
-owner-sharded pages (`enable_kv_cache_sharding` in its bootstrap info, which the plugin's prefill
-ranks set) with CP size N > 1, the same pages are re-dealt so that positions k = c (mod N) sit on
+owner-sharded pages (`enable_kv_cache_sharding` in its bootstrap info: SGLang's KV sharding, which
+the plugin's flag turns on) with CP size N > 1, the same pages are re-dealt so that positions k = c (mod N) sit on
 consecutive pages (`owner_grouped_pages`): each prefill rank's owned positions become one run.
 Everything downstream reads the regrouped slots: `req_to_token` (attention, the radix cache,
 decode steps continuing the last page), the KV destination list and the index-K (DSA state)
