@@ -5,7 +5,8 @@
 Builds `PageInterleaveDSATokenToKVPool` on CPU (GLM-5 attention sizes, 1 layer, tiny pool) with SGLang's default
 scratch spec (8 contexts + one chunk) and the plugin's (1 context + one chunk), bf16 (576-element rows) and fp8_e4m3
 (FlashMLA's 656-byte rows) KV; sums its two scratch slots' tensor bytes and converts the difference to tokens of
-persistent KV per rank (latent + index bytes per token of the pool's own buffers). Raw: DIR/bench_scratch_bytes.json.
+persistent KV per rank of a model of --layers layers (latent + index bytes per token of the pool's own
+buffers, times the layers). Raw: DIR/bench_scratch_bytes.json.
 """
 
 from __future__ import annotations
@@ -76,7 +77,10 @@ def cpu_name() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("benchmark/results"))
+    ap.add_argument("--layers", type=int, default=78, help="the model's layers (GLM-5: 78), for tokens of KV")
     args = ap.parse_args()
+    if args.layers < 1:
+        ap.error(f"--layers {args.layers}: must be at least 1")
     pip.PyNcclCommunicator = _NoComm
     machine = dict(torch=torch.__version__, sglang=sglang.__version__, cpu=cpu_name())
     print(f"# torch {machine['torch']}, sglang {machine['sglang']}, CPU {machine['cpu']}")
@@ -90,7 +94,8 @@ def main() -> None:
                 assert ours["kv_bytes_per_token"] == up["kv_bytes_per_token"]
                 rows.append(
                     dict(kv_dtype=kv, cp=n, context=ctx, chunk=CHUNK, page=PAGE, sglang_default=up,
-                         plugin_default=ours, saved_bytes=saved, saved_tokens=saved / ours["kv_bytes_per_token"])
+                         plugin_default=ours, saved_bytes=saved,
+                         saved_tokens=saved / (ours["kv_bytes_per_token"] * args.layers), layers=args.layers)
                 )  # fmt: skip
     print(
         f"\n| kv dtype | CP | context | SGLang default ({upstream_k} ctx) MiB | plugin (1 ctx) MiB "
@@ -105,9 +110,9 @@ def main() -> None:
         )
     bpt = {kv: next(r["plugin_default"]["kv_bytes_per_token"] for r in rows if r["kv_dtype"] == kv) for kv in KV}
     print(
-        "\nSaved tokens = saved bytes / persistent KV bytes per token per rank of ONE layer (latent + index: "
-        + ", ".join(f"{kv} {b:.0f} B" for kv, b in bpt.items())
-        + "); the scratch holds one layer per slot, so divide by the model's layer count for whole-model tokens."
+        f"\nSaved tokens = saved bytes / (persistent KV bytes per token per layer x {args.layers} layers) per rank "
+        "(latent + index per layer: " + ", ".join(f"{kv} {b:.0f} B" for kv, b in bpt.items()) + "); the scratch "
+        "holds one layer per slot whatever the model's depth, the pool every layer."
     )
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "bench_scratch_bytes.json"
