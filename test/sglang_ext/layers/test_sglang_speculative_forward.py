@@ -1,4 +1,4 @@
-"""CPU, ~3-4 min (three spawns of 1 or 2 gloo ranks): the PD prefill's speculative step with
+"""CPU, ~1-3 min (three spawns of 1 or 2 gloo ranks): the PD prefill's speculative step with
 SGLang 0.5.23's own GLM-5 DSA model and its own NextN (MTP) draft, under SGLang's KV sharding
 (what the plugin's flag turns on) and without it.
 
@@ -40,7 +40,7 @@ from helpers import sglang_draft_harness as D  # noqa: E402
 from helpers import sglang_model_harness as H  # noqa: E402
 from sglang_nsa_cp.comm import run_ranks  # noqa: E402
 
-register_cpu_ci(est_time=210, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=120, suite="nsa-cp-test-cpu")
 
 RUNS = (("off", 1), ("replicated", 2), ("sharded", 2))
 COMPARED = ("target_logits", "target_hidden", "draft_logits", "draft_topk", "draft_hidden")

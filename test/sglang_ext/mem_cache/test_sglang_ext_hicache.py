@@ -1,4 +1,4 @@
-"""CPU, ~1-1.5 min (one spawned process): SGLang 0.5.23's HiCache host tier under its own KV
+"""CPU, ~45 s (one spawned process): SGLang 0.5.23's HiCache host tier under its own KV
 sharding (what the plugin's flag turns on), over the plugin's subclass of its sharded DSA pool.
 
 What runs is SGLang's own code (see sglang_hicache_harness.py for the list and the two stand-ins
@@ -38,7 +38,7 @@ from helpers import sglang_hicache_harness as HC  # noqa: E402
 from helpers import sglang_model_harness as H  # noqa: E402
 from sglang_nsa_cp.comm import run_ranks  # noqa: E402
 
-register_cpu_ci(est_time=80, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=50, suite="nsa-cp-test-cpu")
 
 CASES = ((2, 5), (3, 7))  # (CP ranks, pages in the chain); chains start on owner 1 and wrap around
 PLUGIN_POOL = "sglang_nsa_cp.sglang_ext.mem_cache.page_interleave_pool"
