@@ -60,7 +60,12 @@ def logical_pool_pages(pages_per_rank: int, shard_size: int) -> int:
 class RotatedPagedRequests:
     """Request pages from SGLang's owner-rotating allocator (see the module docstring)."""
 
-    def __init__(self, req_to_token: torch.Tensor, pages_per_rank: int, page_size: int, shard_size: int):
+    def __init__(
+        self, req_to_token: torch.Tensor, pages_per_rank: int, page_size: int, shard_size: int, kvcache=None,
+        shard_spec=None,
+    ):  # fmt: skip
+        """`kvcache`, `shard_spec`: the sharded pool and its spec, as SGLang's configurator binds
+        them (an MTP draft finds its target's pool through them); None for an unsharded pool."""
         from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
 
         self.req_to_token = req_to_token
@@ -71,8 +76,9 @@ class RotatedPagedRequests:
             shard_size=max(shard_size, ALLOCATOR_MIN_SHARDS),
             dtype=torch.int64,
             device="cpu",
-            kvcache=None,
+            kvcache=kvcache,
             need_sort=True,
+            shard_spec=shard_spec,
         )
         self.lens: dict[int, int] = {}
         self.bases: dict[int, int] = {}

@@ -1,9 +1,14 @@
 """Drive SGLang 0.5.23's HiCache host tier (`HybridCacheController` over the DSA host pools) on
-CPU, over the plugin's `SharedKVDSATokenToKVPool` and over SGLang's unmodified `DSATokenToKVPool`.
+CPU, over SGLang's KV sharding (`--enable-kv-cache-sharding`, which the plugin's flag turns on)
+and over SGLang's unmodified `DSATokenToKVPool`.
 
-Used by test_sglang_ext_hicache.py; runs inside one spawned process (`comm.run_ranks`, world 1):
-the N ranks of a CP group are N pools in that process, since write-back and load-back never
-communicate (each rank moves only its own pages). SGLang's own code builds and runs everything:
+Under sharding each rank holds SGLang's `PageInterleaveDSATokenToKVPool` (the plugin's subclass
+once `load_plugins()` ran) of the per-rank size, with its `PageShardSpec` and shard group, and
+SGLang's `PageInterleavePoolAllocator(..., shard_spec=spec)` over it, as SGLang's configurator
+builds them. Used by test_sglang_ext_hicache.py (`round_trips`: one spawned process, world 1; the
+N ranks of a CP group are N pools in that process, since write-back and load-back never
+communicate: each rank moves only its own pages) and test_sglang_ext_hicache_forward.py
+(`evict_and_load_back`: one process per rank). SGLang's own code builds and runs everything:
 `DSATokenToKVPool.host_pool_decls`, `prepare_host_pool_config`, `build_host_pool_group` (which wraps
 the latent host pool in a `PageInterleaveHostPool` for a page-interleaved device pool),
 `MLATokenToKVPoolHost`, `DSAIndexerPoolHost`, `HybridCacheController.write` / `start_writing` /
@@ -36,8 +41,9 @@ PER_RANK_TOKENS = 8 * PAGE  # one rank's device rows (the replicated pool: N x t
 
 
 def setup_process(model_path: str):
-    """Publish ServerArgs with HiCache on (kernel I/O, layer_first, host:device ratio 2) and
-    build SGLang's groups on the spawned process's gloo world."""
+    """Publish ServerArgs with HiCache on (kernel I/O, layer_first, host:device ratio 2), build
+    SGLang's groups on the spawned process's gloo world and load the plugin (its pool subclass
+    replaces SGLang's)."""
     for k, v in stand_ins.ENV.items():
         os.environ[k] = v
     stand_ins.install_process_stand_ins()
@@ -57,6 +63,9 @@ def setup_process(model_path: str):
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
     initialize_model_parallel(backend="gloo")
     _install_transfer_stand_ins()
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
     return sa
 
 
@@ -171,19 +180,32 @@ def kv_pool_kwargs(size: int) -> dict:
                 kv_cache_dim=576)  # fmt: skip
 
 
-def shared_tier(rank: int, n: int, group) -> Tier:
-    """The plugin's pool for CP rank `rank` of `n` (logical capacity n x PER_RANK_TOKENS) with
-    SGLang's owner-classed allocator."""
+def sharded_allocator(pool):
+    """SGLang's allocator over a sharded pool, as its configurator builds it under
+    `kv_shard_size > 1` (the count it passes is per rank; the allocator widens it x N)."""
     from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
 
-    from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import SharedKVDSATokenToKVPool
-
-    pool = SharedKVDSATokenToKVPool(**kv_pool_kwargs(n * PER_RANK_TOKENS), cp_rank=rank, cp_size=n, cp_group=group)
-    allocator = PageInterleavePoolAllocator(
-        PER_RANK_TOKENS, physical_page_size=PAGE, shard_size=n, dtype=torch.bfloat16, device="cpu",
-        kvcache=pool, need_sort=False,
+    return PageInterleavePoolAllocator(
+        pool.size, physical_page_size=PAGE, shard_size=pool.shard_size, dtype=torch.bfloat16, device="cpu",
+        kvcache=pool, need_sort=False, shard_spec=pool.shard_spec,
     )  # fmt: skip
-    return Tier(pool, allocator)
+
+
+def sharded_tier(rank: int, n: int) -> Tier:
+    """CP rank `rank` of `n`: SGLang's sharded DSA pool of PER_RANK_TOKENS rows (the plugin's
+    subclass) and its allocator. The N ranks live in one process, so the shard group is a
+    stand-in naming the rank: a round trip never gathers (the pool's scratch and its
+    communicator serve prefill extends only)."""
+    from sglang.srt.mem_cache import page_interleave_pool
+
+    from helpers.sglang_model_harness import shard_spec
+
+    group = SimpleNamespace(world_size=n, rank_in_group=rank, cpu_group=None, device=torch.device("cpu"))
+    spec = shard_spec(rank, n, context_len=PER_RANK_TOKENS, chunk_tokens=PAGE, contexts=1)
+    pool = page_interleave_pool.PageInterleaveDSATokenToKVPool(
+        **kv_pool_kwargs(PER_RANK_TOKENS), shard_spec=spec, shard_group=group
+    )
+    return Tier(pool, sharded_allocator(pool))
 
 
 def replicated_tier(n: int) -> Tier:
@@ -202,18 +224,25 @@ def replicated_tier(n: int) -> Tier:
 # ---- the scenario: one chain of pages written back and loaded into fresh pages ---------------------
 
 
-def _local_rows(pool, page: int) -> slice:
-    """Latent rows of logical page `page` in the pool that holds it (its owner's shard, or SGLang's pool)."""
-    local = page // pool.cp_size if hasattr(pool, "cp_size") else page
-    return slice(local * PAGE, (local + 1) * PAGE)
+def _shard(pool) -> tuple[int, int]:
+    """(N, rank) of a sharded pool; (1, 0) for SGLang's unsharded pool."""
+    from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
+
+    return (pool.shard_size, pool.shard_rank) if isinstance(pool, PageInterleaveKVPoolMixin) else (1, 0)
 
 
 def _local_page(pool, page: int) -> int:
-    return page // pool.cp_size if hasattr(pool, "cp_size") else page
+    """Logical page `page`'s page in the pool that holds it (its owner's shard, or SGLang's pool)."""
+    return page // _shard(pool)[0]
+
+
+def _local_rows(pool, page: int) -> slice:
+    local = _local_page(pool, page)
+    return slice(local * PAGE, (local + 1) * PAGE)
 
 
 def _owner(pool, page: int) -> int:
-    return page % pool.cp_size if hasattr(pool, "cp_size") else 0
+    return page % _shard(pool)[0]
 
 
 def _pages(slots: torch.Tensor) -> list[int]:
@@ -225,7 +254,7 @@ def _put(tiers, pages, content):
     for i, page in enumerate(pages):
         for tier in tiers:
             pool = tier.pool
-            if _owner(pool, page) != getattr(pool, "cp_rank", 0):
+            if _owner(pool, page) != _shard(pool)[1]:
                 continue
             for layer in range(LAYERS):
                 pool.kv_buffer[layer][_local_rows(pool, page), 0] = content[layer][0][i]
@@ -242,22 +271,22 @@ def _get(tier, page, layer):
 def round_trips(rank, world, group, model_path, cases):
     """`round_trip` for each (n, num_pages) of `cases`, in one process."""
     setup_process(model_path)
-    return [round_trip(group, n, num_pages, seed=i) for i, (n, num_pages) in enumerate(cases)]
+    return [round_trip(n, num_pages, seed=i) for i, (n, num_pages) in enumerate(cases)]
 
 
-def round_trip(group, n, num_pages, seed=0):
-    """Write a `num_pages` chain back to host and load it into fresh device pages, on the N shared
+def round_trip(n, num_pages, seed=0):
+    """Write a `num_pages` chain back to host and load it into fresh device pages, on the N sharded
     tiers and on a replicated tier. Returns what the test checks."""
-    shared = [shared_tier(r, n, group) for r in range(n)]
+    sharded = [sharded_tier(r, n) for r in range(n)]
     replicated = replicated_tier(n)
     g = torch.Generator().manual_seed(seed)
-    index_bytes = shared[0].pool.index_k_with_scale_buffer[0].shape[1]
+    index_bytes = sharded[0].pool.index_k_with_scale_buffer[0].shape[1]
     content = [
         (torch.randn(num_pages, PAGE, 576, generator=g).to(torch.bfloat16),
          torch.randint(0, 256, (num_pages, index_bytes), generator=g, dtype=torch.uint8))
         for _ in range(LAYERS)
     ]  # fmt: skip
-    for tier in (*shared, replicated):
+    for tier in (*sharded, replicated):
         for t in tier.host_buffers():
             t.zero_()  # host rows a transfer never wrote stay zero
         for layer in range(LAYERS):  # poison the device pools: a page read before it was written shows
@@ -266,16 +295,16 @@ def round_trip(group, n, num_pages, seed=0):
 
     # The allocator and controller are mirrored: every rank makes the same choices (SPMD).
     start_owner = 1 % n
-    chains = [t.allocator.alloc_cyclic(start_class=start_owner, need_size=num_pages * PAGE) for t in shared]
+    chains = [t.allocator.alloc_cyclic(start_class=start_owner, need_size=num_pages * PAGE) for t in sharded]
     assert all(torch.equal(c, chains[0]) for c in chains), (
         f"{n=}: ranks allocated different pages {[_pages(c) for c in chains]}"
     )
     dev = chains[0]
     dev_rep = replicated.allocator.alloc(num_pages * PAGE)
-    _put(shared, _pages(dev), content)
+    _put(sharded, _pages(dev), content)
     _put([replicated], _pages(dev_rep), content)
 
-    host = [t.write_back(dev, start_owner=int(t.pool.placement.owner_of(dev[:1]))) for t in shared]
+    host = [t.write_back(dev, start_owner=int(t.pool.placement.owner_of(dev[:1]))) for t in sharded]
     assert all(torch.equal(h, host[0]) for h in host), f"{n=}: ranks chose different host slots"
     host_rep = replicated.write_back(dev_rep, start_owner=None)
     host_pages = _pages(host[0])
@@ -283,21 +312,23 @@ def round_trip(group, n, num_pages, seed=0):
         f"{n=}: host pages {host_pages} do not keep the owners of device pages {_pages(dev)}"
     )
 
-    loaded = [t.load_back(h) for t, h in zip(shared, host)]
+    loaded = [t.load_back(h) for t, h in zip(sharded, host)]
     assert all(torch.equal(d, loaded[0]) for d in loaded), f"{n=}: ranks loaded into different pages"
     new = loaded[0]
     loaded_rep = replicated.load_back(host_rep)
     assert not set(_pages(new)) & set(_pages(dev)), f"{n=}: load-back reused the source pages {_pages(new)}"
     return dict(
+        pool_modules=[type(t.pool).__module__ for t in sharded],
+        host_pools=[type(t.kv_host).__name__ for t in sharded],
         dev=_pages(dev), host=host_pages, new=_pages(new), new_rep=_pages(loaded_rep),
         content=content,
         # every rank's whole shard and host tier after the round trip, to check against the content
-        shards=[[(t.pool.kv_buffer[layer].clone(), t.pool.index_k_with_scale_buffer[layer].clone()) for layer in range(LAYERS)] for t in shared],
+        shards=[[(t.pool.kv_buffer[layer].clone(), t.pool.index_k_with_scale_buffer[layer].clone()) for layer in range(LAYERS)] for t in sharded],
         replicated_new=[[_get(replicated, p, layer) for layer in range(LAYERS)] for p in _pages(loaded_rep)],
-        host_kv=[t.host_buffers()[0].clone() for t in shared],
-        host_nbytes=[t.host_nbytes() for t in shared],
+        host_kv=[t.host_buffers()[0].clone() for t in sharded],
+        host_nbytes=[t.host_nbytes() for t in sharded],
         replicated_host_nbytes=replicated.host_nbytes(),
-        host_shapes=[[tuple(b.shape) for b in t.host_buffers()] for t in shared + [replicated]],
+        host_shapes=[[tuple(b.shape) for b in t.host_buffers()] for t in sharded + [replicated]],
     )  # fmt: skip
 
 
@@ -359,13 +390,12 @@ FORWARD_POOL_PAGES = 24  # logical device pages (a multiple of every N used)
 
 
 def _hicache_engine(mode, rank, world, model_path):
-    """A rank's model, pool and allocator as the plugin's hooks build them (shared: the pool of
-    logical size, SGLang's owner-classed allocator over the per-rank count) or as SGLang does
-    (off, replicated: `DSATokenToKVPool` and its stock paged allocator), plus its HiCache tier."""
+    """A rank's model, pool and allocator as SGLang builds them: sharded, its page-interleaved
+    pool (the plugin's subclass) of FORWARD_POOL_PAGES / N pages with its spec and the CP group,
+    and its owner-classed allocator; off and replicated, `DSATokenToKVPool` and its stock paged
+    allocator. Plus the rank's HiCache tier."""
     from helpers import sglang_model_harness as H
-    from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.runtime_context import get_parallel
 
     cp = 1 if mode == "off" else world
     sa = H.setup_process(
@@ -373,35 +403,24 @@ def _hicache_engine(mode, rank, world, model_path):
         hicache_mem_layout="layer_first", hicache_ratio=2,
     )  # fmt: skip
     _install_transfer_stand_ins()
-    if mode == "shared":
+    if mode == "sharded":
         from sglang.srt.plugins import load_plugins
 
         from sglang_nsa_cp.sglang_ext.server_args import ATTR
 
-        load_plugins()
-        setattr(sa, ATTR, True)
+        load_plugins()  # the plugin's entry point: its pool subclass replaces SGLang's
+        setattr(sa, ATTR, True)  # the decision its start-up validation writes (see docs)
     mc, model = H.build_model(sa)
-    cp_group = get_parallel().attn_cp_group.device_group if mode == "shared" else None
-    engine = H.Engine(sa, mc, model, pool_pages=FORWARD_POOL_PAGES, cp_group=cp_group)
-    size = FORWARD_POOL_PAGES * PAGE
-    if mode == "shared":
-        from sglang_nsa_cp.sglang_ext.mem_cache.kv_cache_configurator import build_allocator
-
-        engine.pool.prefetcher.min_pages_per_rank = 1
-        # The plugin's hook, as SGLang's configurator calls it (the count it passes is per rank).
-        configurator = SimpleNamespace(
-            is_draft_worker=False, model_config=mc, page_size=PAGE, kv_cache_dtype=torch.bfloat16, device="cpu"
-        )
-        allocator = build_allocator(
-            None, configurator, sizes=SimpleNamespace(max_total_num_tokens=size // cp),
-            token_to_kv_pool=engine.pool, token_to_kv_pool_allocator=None,
-        )  # fmt: skip
-        assert isinstance(allocator, PageInterleavePoolAllocator), type(allocator)
-        assert allocator.size == engine.pool.size, "the allocator must widen to the pool's logical size"
+    if mode == "sharded":
+        engine = H.RotatedEngine(sa, mc, model, FORWARD_POOL_PAGES // world, world, sharded=True)
+        H.poison_gather_scratch(engine.pool)
+        allocator = sharded_allocator(engine.pool)
     else:
+        engine = H.Engine(sa, mc, model, pool_pages=FORWARD_POOL_PAGES)
         allocator = PagedTokenToKVPoolAllocator(
-            size, page_size=PAGE, dtype=torch.bfloat16, device="cpu", kvcache=engine.pool, need_sort=True
-        )
+            FORWARD_POOL_PAGES * PAGE, page_size=PAGE, dtype=torch.bfloat16, device="cpu", kvcache=engine.pool,
+            need_sort=True,
+        )  # fmt: skip
     tier = Tier(engine.pool, allocator)
     engine.pool.register_layer_transfer_counter(tier.controller.layer_done_counter)  # as the scheduler does
     engine.requests = AllocatorRequests(engine.req_to_token, allocator)
@@ -411,7 +430,7 @@ def _hicache_engine(mode, rank, world, model_path):
 def _poison(pool, pages):
     """0xFF (NaN latent rows) over `pages` in the rows of them this rank holds."""
     for page in pages:
-        if _owner(pool, page) != getattr(pool, "cp_rank", 0):
+        if _owner(pool, page) != _shard(pool)[1]:
             continue
         for layer in range(LAYERS):
             pool.kv_buffer[layer][_local_rows(pool, page)].view(torch.uint8).fill_(0xFF)
@@ -429,7 +448,7 @@ def evict_and_load_back(rank, world, group, model_path, mode):
     """Request 0 is prefilled; its first CACHED_PAGES pages are written to host (SGLang's
     `HybridCacheController.write`, as `UnifiedRadixCache` backs up a node) and evicted from the
     device (freed); request 2 then reuses the freed pages; the pages are loaded back into fresh
-    device pages (`load`, `start_loading`: the owner-classed `alloc_cyclic` under shared KV) and
+    device pages (`load`, `start_loading`: the owner-classed `alloc_cyclic` under sharding) and
     request 3 extends the loaded prefix. Request 4 extends the same prefix from request 0's
     original pages before the eviction (the control). Returns logits, pages and host bytes."""
     from helpers import sglang_model_harness as H
@@ -449,7 +468,7 @@ def evict_and_load_back(rank, world, group, model_path, mode):
     logits["control"] = engine.run(engine.forward_batch([(4, 40)], toks))
     reqs.release(4, shared_tokens=cached)  # the prefix stays with request 0
 
-    start_owner = int(tier.pool.placement.owner_of(prefix[:1])) if mode == "shared" else None
+    start_owner = int(tier.pool.placement.owner_of(prefix[:1])) if mode == "sharded" else None
     host = tier.write_back(prefix, start_owner=start_owner)
     reqs.release(0)  # evicted: its device pages go back to the allocator
     _poison(tier.pool, _pages(prefix))  # as if reused: a read of the evicted pages gives NaN logits
@@ -466,6 +485,7 @@ def evict_and_load_back(rank, world, group, model_path, mode):
     leaked = free_at_start - _free_pages(tier.allocator)
     failed_load = _load_failing_half_way(tier, host)
     out = dict(
+        pool_module=type(tier.pool).__module__, host_pool=type(tier.kv_host).__name__,
         logits=logits, prefix=_pages(prefix), host=_pages(host), loaded=_pages(loaded), pages_leaked=leaked,
         failed_load=failed_load, host_nbytes=tier.host_nbytes(),
         host_shapes=[tuple(b.shape) for b in tier.host_buffers()], host_pages_written=_host_pages_written(tier),

@@ -482,7 +482,8 @@ class RotatedEngine(Engine):
         return pool_class(size=self.pages_per_rank * PAGE, **kw, shard_spec=spec, shard_group=group)
 
     def init_requests(self, seed: int = 0):
-        self.requests = RotatedPagedRequests(self.req_to_token, self.pages_per_rank, PAGE, self.shard_size)
+        sharded = dict(kvcache=self.pool, shard_spec=self.pool.shard_spec) if self._sharded else {}
+        self.requests = RotatedPagedRequests(self.req_to_token, self.pages_per_rank, PAGE, self.shard_size, **sharded)
 
 
 # Prefill batches (request index, new tokens), then one decode step. Extends start page-aligned,

@@ -1,13 +1,16 @@
-"""CPU, ~1-1.5 min (one spawned process): SGLang 0.5.23's HiCache host tier over the plugin's pool.
+"""CPU, ~45 s (one spawned process): SGLang 0.5.23's HiCache host tier under its own KV
+sharding (what the plugin's flag turns on), over the plugin's subclass of its sharded DSA pool.
 
 What runs is SGLang's own code (see sglang_hicache_harness.py for the list and the two stand-ins
-for CUDA-only pieces): its DSA host pools, built by its assembler from the device pool, and its
-`HybridCacheController` writing a chain of pages back to host and loading it into fresh device
-pages, with SGLang's owner-classed allocator. N CP ranks are N pools in one process: write-back
-and load-back never communicate.
+for CUDA-only pieces): its `PageInterleaveDSATokenToKVPool` of the per-rank size with its
+`PageShardSpec`, its owner-classed `PageInterleavePoolAllocator(..., shard_spec=spec)`, its DSA
+host pools, built by its assembler from the device pool, and its `HybridCacheController` writing a
+chain of pages back to host and loading it into fresh device pages. N CP ranks are N pools in one
+process: write-back and load-back never communicate.
 
 Checked, at N = 2 and N = 3:
-- each rank's host tier is wrapped by SGLang's `PageInterleaveHostPool` (owner-matched host slots);
+- each rank's device pool is the plugin's subclass and its host tier is wrapped by SGLang's
+  `PageInterleaveHostPool` (owner-matched host slots);
 - every rank allocates the same device pages, host slots and load-back pages (mirrored decisions);
 - after the round trip each rank's shard holds, at the fresh pages it owns, the chain's latent
   rows and index pages bit for bit, the same bytes SGLang's unmodified pool (replicated) holds
@@ -17,8 +20,7 @@ Checked, at N = 2 and N = 3:
   pool's for the same logical capacity (less SGLang's fixed padding pages).
 
 A model forward over a loaded-back prefix and a load that fails half-way are in
-test_sglang_ext_hicache_forward.py; the allocator the plugin builds with HiCache in
-test_sglang_ext_pool.py (docs/sglang_plugin.md, section HiCache).
+test_sglang_ext_hicache_forward.py (docs/sglang_plugin.md, section HiCache).
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ from helpers import sglang_hicache_harness as HC  # noqa: E402
 from helpers import sglang_model_harness as H  # noqa: E402
 from sglang_nsa_cp.comm import run_ranks  # noqa: E402
 
-register_cpu_ci(est_time=80, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=50, suite="nsa-cp-test-cpu")
 
 CASES = ((2, 5), (3, 7))  # (CP ranks, pages in the chain); chains start on owner 1 and wrap around
+PLUGIN_POOL = "sglang_nsa_cp.sglang_ext.mem_cache.page_interleave_pool"
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +60,8 @@ def _rows(page: int, n: int) -> slice:
 def test_every_rank_makes_the_same_choices_and_host_pages_keep_their_owners(trips, case):
     n, num_pages = case
     t = trips[case]
+    assert t["pool_modules"] == [PLUGIN_POOL] * n, f"{n=}: {t['pool_modules']}"
+    assert t["host_pools"] == ["PageInterleaveHostPool"] * n, f"{n=}: {t['host_pools']}"
     assert [p % n for p in t["dev"]] == [(1 + i) % n for i in range(num_pages)], (
         f"{n=}: {t['dev']} not cyclic from owner 1"
     )
