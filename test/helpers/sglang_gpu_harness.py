@@ -119,8 +119,11 @@ def use_gloo_history_gather() -> None:
     group for the history all-gather, and NCCL cannot put two ranks on one device. The CPU
     harness's `GlooAllGather` stands in: the same in-place all-gather of the same bytes, over the
     group's gloo group (CUDA tensors pass through host memory). With a GPU per rank (`nccl`) the
-    pool keeps SGLang's real PyNccl communicator."""
+    pool keeps SGLang's real PyNccl communicator. SGLang's zero-SM symmetric gather scratch is an
+    NCCL window, so it is off here (SGLang turns it off itself below NCCL 2.31.2)."""
     from sglang.srt.mem_cache import page_interleave_pool
+
+    os.environ["SGLANG_ENABLE_KV_SHARD_ZERO_SM_GATHER"] = "0"
 
     from helpers.sglang_cpu_stand_ins import GlooAllGather
 
@@ -243,13 +246,17 @@ class GpuEngine:
 
         from helpers.sglang_model_harness import RotatedEngine
         from sglang_nsa_cp.envs import envs
-        from sglang_nsa_cp.sglang_ext.mem_cache.page_interleave_pool import SGLangPool
+        from sglang_nsa_cp.sglang_ext.mem_cache.page_interleave_pool import PageInterleaveDSATokenToKVPool as Plugin
 
         if pool not in POOLS:
             raise ValueError(f"pool must be one of {sorted(POOLS)}, got {pool!r}")
         contexts = {"shared": envs.SGLANG_NSA_CP_SCRATCH_CONTEXTS.get(),
                     "sglang_pool": page_interleave._KV_SHARD_SCRATCH_PREFIX_CONTEXTS}.get(pool, 1)  # fmt: skip
-        pool_class = SGLangPool if pool == "sglang_pool" else page_interleave_pool.PageInterleaveDSATokenToKVPool
+        # SGLang's own class is the subclass's base: the hook registry rebinds every module-level
+        # name of the original class to the plugin's, `SGLangPool` in the plugin's module included.
+        sglang_class = Plugin.__bases__[0]
+        assert sglang_class.__module__ == "sglang.srt.mem_cache.page_interleave_pool", sglang_class
+        pool_class = sglang_class if pool == "sglang_pool" else page_interleave_pool.PageInterleaveDSATokenToKVPool
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         with mock.patch.object(page_interleave_pool, "PageInterleaveDSATokenToKVPool", pool_class):
