@@ -78,7 +78,8 @@ def test_shared_kv_equals_replicated_cp_bit_for_bit(runs, run, reference):
         assert (r["pool_module"], r["pool"]) == PLUGIN_POOL, f"{run}, rank {rank}: {r['pool_module']}.{r['pool']}"
         assert rep["pool"] == "DSATokenToKVPool", f"{reference}, rank {rank}: {rep['pool']}"
         assert r["pool_dtype"] == rep["pool_dtype"], f"{run}, rank {rank}"
-        assert r["cp_active"] == rep["cp_active"] == [True] * 3 + [False], f"{run}, rank {rank}: {r['cp_active']}"
+        # the prefill batches took SGLang's CP path (recorded before the decode step)
+        assert r["cp_active"] == rep["cp_active"] == [True] * 3, f"{run}, rank {rank}: {r['cp_active']}"
         for b, (got, want) in enumerate(zip(r["logits"], rep["logits"])):
             assert torch.isfinite(got).all(), f"{run}, rank {rank}, batch {b}: non-finite logits"
             assert torch.equal(got, want), f"{run}, rank {rank}, batch {b}: max diff {float((got - want).abs().max())}"
