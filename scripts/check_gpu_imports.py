@@ -25,8 +25,10 @@ import traceback
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "test"))
 
-# What the GPU harness needs: SGLang's DSA model forward, its CP strategy, KV pools, model
-# loader, ServerArgs resolution and distributed init, and the plugin.
+# What the GPU harness needs: SGLang's DSA model forward, its CP strategy, KV pools (the
+# page-interleaved pool the flag runs, its placement, the owner-rotating allocator, the kv-shard
+# hooks and the PyNccl communicator it gathers history with), model loader, ServerArgs resolution
+# and distributed init, and the plugin's hooks on them.
 MODULES = [
     "sglang.srt.server_args",
     "sglang.srt.runtime_context",
@@ -36,7 +38,13 @@ MODULES = [
     "sglang.srt.layers.cp.utils",
     "sglang.srt.mem_cache.memory_pool",
     "sglang.srt.mem_cache.page_interleave_pool",
+    "sglang.srt.mem_cache.page_interleave",
+    "sglang.srt.mem_cache.allocator.page_interleave",
     "sglang.srt.mem_cache.kv_cache_configurator",
+    "sglang.srt.layers.attention.kv_shard_hooks",
+    "sglang.srt.arg_groups.kv_shard_hook",
+    "sglang.srt.distributed.device_communicators.pynccl",
+    "sglang.srt.distributed.device_communicators.pynccl_allocator",
     "sglang.srt.layers.attention.dsa.dsa_indexer",
     "sglang.srt.layers.attention.dsa_backend",
     "sglang.srt.models.deepseek_v2",
@@ -49,7 +57,10 @@ MODULES = [
     "sglang.srt.layers.logits_processor",
     "sglang.srt.plugins",
     "sglang_nsa_cp.sglang_ext",
-    "sglang_nsa_cp.sglang_ext.mem_cache.memory_pool",
+    "sglang_nsa_cp.sglang_ext.mem_cache.page_interleave_pool",
+    "sglang_nsa_cp.sglang_ext.mem_cache.page_interleave",
+    "sglang_nsa_cp.sglang_ext.arg_groups.kv_shard_hook",
+    "helpers.sglang_gpu_harness",
 ]
 
 

@@ -120,7 +120,16 @@ for p in "$S"/sglang/test/*; do
   esac
 done
 rm -f "$S"/sglang-*.dist-info/RECORD
-[ -f "$S/sglang/srt/layers/attention/dsa_backend.py" ] || fail "trimmed sglang tree lacks the DSA backend"
+# What the harness runs, by path: the DSA backend and SGLang's KV sharding under
+# --enable-nsa-prefill-cp-shared-kv (the page-interleaved pool and its placement, the owner-rotating
+# allocator, the kv-shard hooks of the attention backends and of ServerArgs resolution, and the
+# PyNccl communicator and allocator the pool gathers history with).
+for f in srt/layers/attention/dsa_backend.py srt/mem_cache/page_interleave.py \
+  srt/mem_cache/page_interleave_pool.py srt/mem_cache/allocator/page_interleave.py \
+  srt/layers/attention/kv_shard_hooks.py srt/arg_groups/kv_shard_hook.py \
+  srt/distributed/device_communicators/pynccl.py srt/distributed/device_communicators/pynccl_allocator.py; do
+  [ -f "$S/sglang/$f" ] || fail "trimmed sglang tree lacks sglang/$f (the harness runs it); check TRIM"
+done
 pack "$OUT/sglang.tar.xz" "$S" sglang "$(basename "$S"/sglang-*.dist-info)"
 
 # 2. deps: SGLang's pure-Python (and small compiled, CPython $PY_VERSION) dependencies, installed.

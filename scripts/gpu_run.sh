@@ -6,9 +6,11 @@
 #   bash scripts/gpu_run.sh [tests|bench|all] [benchmark arguments...]
 #
 # `tests` runs the GPU suite, nsa-cp-test-1-gpu-h200 (SGLang's forward puts a rank on each GPU over
-# NCCL where there are enough, else the ranks share GPU 0 over gloo: test/helpers/sglang_gpu_harness.py
-# `comm_setup`), one pytest process per file so the log ends with each file's time beside its
-# est_time; docs/testing.md lists the suites. The benchmark needs a GPU per rank.
+# NCCL where there are enough, the sharded pool gathering history with SGLang's PyNccl communicator;
+# else the ranks share GPU 0 over gloo and GlooAllGather stands in for that communicator:
+# test/helpers/sglang_gpu_harness.py `comm_setup`, `use_gloo_history_gather`), one pytest process
+# per file so the log ends with each file's time beside its est_time; docs/testing.md lists the
+# suites. The benchmark needs a GPU per rank for timings (`bench --share-gpu`: checks only).
 #
 # The bundle (.gpu_bundle/, built here with scripts/gpu_bundle.sh) travels with the working tree.
 set -uo pipefail

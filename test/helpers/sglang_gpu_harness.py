@@ -32,8 +32,9 @@ ENV = {
 
 # GLM-5's attention and dense-MLP dimensions (zai-org/GLM-5: hidden 6144, 64 heads, q_lora 2048,
 # kv_lora 512 + rope 64, nope 192, v 256, indexer 32 x 128 with top-k 2048, vocab 154880, dense
-# intermediate 12288), with `num_hidden_layers` layers that all have a dense MLP (no MoE kernels
-# here). RoPE: deepseek_yarn with factor 1, the rotary class SGLang's V3.2 path builds.
+# intermediate 12288). Every layer has a dense MLP: `first_k_dense_replace` = `num_hidden_layers`
+# (`glm5_config`), so no MoE kernel runs and the MoE fields below are never read. RoPE:
+# deepseek_yarn with factor 1, the rotary class SGLang's V3.2 path builds.
 GLM5_ATTN = {
     "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
     "hidden_size": 6144, "intermediate_size": 12288, "moe_intermediate_size": 2048, "num_hidden_layers": 4,
@@ -48,6 +49,43 @@ GLM5_ATTN = {
                      "original_max_position_embeddings": 262144, "beta_fast": 32, "beta_slow": 1,
                      "mscale": 1.0, "mscale_all_dim": 1.0},
 }  # fmt: skip
+
+
+def glm5_config(layers: int) -> dict:
+    """`GLM5_ATTN` with `layers` layers, every one dense (first_k_dense_replace = layers)."""
+    return GLM5_ATTN | {"num_hidden_layers": layers, "first_k_dense_replace": layers}
+
+
+def model_as_run(cfg: dict, sa, stand_ins: list[str]) -> dict:
+    """What a results file says about the model that ran: from the config written and the
+    ServerArgs used, not from GLM-5's card (its layers 3+ are MoE; these are not)."""
+    layers, dense = cfg["num_hidden_layers"], min(cfg["first_k_dense_replace"], cfg["num_hidden_layers"])
+    return {
+        "class": cfg["architectures"][0], "layers": layers, "dense_mlp_layers": dense, "moe_layers": layers - dense,
+        "hidden_size": cfg["hidden_size"], "dense_intermediate_size": cfg["intermediate_size"],
+        "weights": "random bf16, loaded through SGLang's load_weights",
+        "attention_backend": sa.attention_backend, "dsa_prefill_backend": sa.dsa_prefill_backend,
+        "dsa_decode_backend": sa.dsa_decode_backend, "dsa_topk_backend": sa.dsa_topk_backend,
+        "prefill_attention_kernel": "FlashMLA flash_mla_sparse_fwd (sgl-flash-mla 1.0.0, legacy SM90 kernel)",
+        "kv_cache_dtype": sa.kv_cache_dtype, "page_size": PAGE, "tp_size": sa.tp_size, "attn_cp_size": sa.attn_cp_size,
+        "stand_ins": stand_ins,
+    }  # fmt: skip
+
+
+# Kernels and collectives replaced in every run (docs/sglang_gpu_forward_audit.md has the rows).
+STAND_INS = [
+    "prefill fp8 MQA logits: test/helpers/mqa_logits_triton.py (DeepGEMM cannot load)",
+    "top-k: SGLang's unfused torch top-k (--dsa-topk-backend torch, SGLANG_DSA_FUSE_TOPK=0)",
+    "RMSNorm, SiluAndMul, RoPE: SGLang's forward_native",
+    "Hadamard rotation: a 128 x 128 matmul",
+    "index-K store, latent store, q concat, fused-A GEMM: SGLang's Triton / torch fallbacks",
+    "decode paged MQA logits: SGLang's torch fallback",
+    "custom all-reduce, multicast logits gather: NCCL",
+]
+GLOO_GATHER_STAND_IN = (
+    "sharded pool's history gather: GlooAllGather over the shard group's gloo group "
+    "(ranks share one GPU; NCCL cannot put two ranks on one device)"
+)
 
 
 def write_config(path: str, cfg: dict) -> str:
@@ -76,6 +114,22 @@ def comm_setup(rank: int, world: int) -> tuple[str, int]:
     return ("nccl", rank) if gpus >= world else ("gloo", 0)
 
 
+def use_gloo_history_gather() -> None:
+    """Ranks sharing one GPU: SGLang's sharded pool builds a `PyNcclCommunicator` on its shard
+    group for the history all-gather, and NCCL cannot put two ranks on one device. The CPU
+    harness's `GlooAllGather` stands in: the same in-place all-gather of the same bytes, over the
+    group's gloo group (CUDA tensors pass through host memory). With a GPU per rank (`nccl`) the
+    pool keeps SGLang's real PyNccl communicator. SGLang's zero-SM symmetric gather scratch is an
+    NCCL window, so it is off here (SGLang turns it off itself below NCCL 2.31.2)."""
+    from sglang.srt.mem_cache import page_interleave_pool
+
+    os.environ["SGLANG_ENABLE_KV_SHARD_ZERO_SM_GATHER"] = "0"
+
+    from helpers.sglang_cpu_stand_ins import GlooAllGather
+
+    page_interleave_pool.PyNcclCommunicator = GlooAllGather
+
+
 def setup_process(rank: int, world: int, model_path: str, cp_size: int, kv_cache_dtype: str = "bfloat16"):
     """Publish ServerArgs and build SGLang's process groups on NCCL, GPU `rank`. `kv_cache_dtype`
     fp8_e4m3: SGLang's fp8 pool (656-byte FlashMLA rows); prefill stays on flashmla_sparse (which
@@ -102,6 +156,7 @@ def setup_process(rank: int, world: int, model_path: str, cp_size: int, kv_cache
     if backend == "gloo":  # SGLang would still open its own NCCL communicator per group (pynccl)
         make_group = parallel_state.init_model_parallel_group
         parallel_state.init_model_parallel_group = lambda *a, **k: make_group(*a, **{**k, "use_pynccl": False})
+        use_gloo_history_gather()
     # torch.distributed is already up (from run_ranks, on the same backend): SGLang builds its groups on it.
     init_distributed_environment(world_size=world, rank=rank, local_rank=device, backend=backend)
     initialize_model_parallel(backend=backend)
@@ -167,88 +222,176 @@ def build_model(sa, seed: int = 0):
     return mc, model
 
 
-def scratch_pages(context_len: int, chunk: int, cp_size: int) -> int:
-    """What the plugin's configurator hook reserves at start-up for this context and chunk size."""
-    from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import dense_scratch_pages
+# ---- the pools -------------------------------------------------------------------------------------
 
-    return dense_scratch_pages(context_len, chunk, PAGE, cp_size)
+# What builds each pool, by name (results files and test ids use these names):
+POOLS = {
+    "replicated": "SGLang's DSATokenToKVPool: every rank stores every logical page",
+    "shared": "SGLang's page-interleaved pool, the plugin's subclass (--enable-nsa-prefill-cp-shared-kv): "
+    "scratch of SGLANG_NSA_CP_SCRATCH_CONTEXTS contexts (default 1) + one chunk",
+    "sglang_pool": "SGLang's own PageInterleaveDSATokenToKVPool, built directly (its Blackwell-only validator "
+    "bypassed), its default scratch of 8 contexts + one chunk",
+}
+
+
+class GpuEngine:
+    """Factory for `sglang_model_harness.RotatedEngine` on this GPU with one of `POOLS`: requests
+    take pages from SGLang's owner-rotating allocator in every case, so the three pools see the
+    same page ids and the same batches."""
+
+    def __new__(cls, sa, mc, model, pool: str, pages_per_rank: int, shard_size: int, max_len: int, chunk_tokens: int):
+        from unittest import mock
+
+        from sglang.srt.mem_cache import page_interleave, page_interleave_pool
+
+        from helpers.sglang_model_harness import RotatedEngine
+        from sglang_nsa_cp.envs import envs
+        from sglang_nsa_cp.sglang_ext.mem_cache.page_interleave_pool import PageInterleaveDSATokenToKVPool as Plugin
+
+        if pool not in POOLS:
+            raise ValueError(f"pool must be one of {sorted(POOLS)}, got {pool!r}")
+        contexts = {"shared": envs.SGLANG_NSA_CP_SCRATCH_CONTEXTS.get(),
+                    "sglang_pool": page_interleave._KV_SHARD_SCRATCH_PREFIX_CONTEXTS}.get(pool, 1)  # fmt: skip
+        # SGLang's own class is the subclass's base: the hook registry rebinds every module-level
+        # name of the original class to the plugin's, `SGLangPool` in the plugin's module included.
+        sglang_class = Plugin.__bases__[0]
+        assert sglang_class.__module__ == "sglang.srt.mem_cache.page_interleave_pool", sglang_class
+        pool_class = sglang_class if pool == "sglang_pool" else page_interleave_pool.PageInterleaveDSATokenToKVPool
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        with mock.patch.object(page_interleave_pool, "PageInterleaveDSATokenToKVPool", pool_class):
+            engine = RotatedEngine(sa, mc, model, pages_per_rank, shard_size, sharded=pool != "replicated",
+                                   max_len=max_len, chunk_tokens=chunk_tokens, scratch_contexts=contexts)  # fmt: skip
+        torch.cuda.synchronize()
+        engine.pool_alloc_bytes = torch.cuda.memory_allocated() - before
+        engine.scratch_bytes = scratch_bytes(engine.pool)
+        engine.init_requests()
+        return engine
+
+
+def scratch_bytes(pool) -> int:
+    """Bytes of a sharded pool's double-buffered gather scratch (0 for SGLang's replicated pool)."""
+    slots = getattr(pool, "_slots", [])
+    return sum(t.numel() * t.element_size() for slot in slots for t in slot.tensors.values())
+
+
+def pool_info(pool) -> dict:
+    """Which pool class ran and how it gathers history."""
+    info = {"pool": type(pool).__name__, "pool_module": type(pool).__module__, "pool_dtype": str(pool.dtype)}
+    if hasattr(pool, "kv_gather_comm"):
+        spec = pool.shard_spec
+        info.update(gather_comm=type(pool.kv_gather_comm).__name__, symmetric_scratch=pool._use_symmetric_scratch,
+                    scratch_prefix_tokens=spec.max_prefix_tokens, scratch_chunk_tokens=spec.chunk_tokens)  # fmt: skip
+    return info
+
+
+def time_history_waits(pool) -> list:
+    """CUDA events on the compute stream around each read of a layer's gathered history (SGLang's
+    `_acquire_slot_for_read`: the wait for the layer-ahead gather, then the next layer's launch):
+    (layer_id, start, end) per read in batches with history; the elapsed time is what the layer
+    waited for its history. Clear the list between batches."""
+    waits = []
+    inner = pool._acquire_slot_for_read
+
+    def timed(layer_id):
+        if not pool._block_pages:
+            return inner(layer_id)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        slot = inner(layer_id)
+        end.record()
+        waits.append((layer_id, start, end))
+        return slot
+
+    pool._acquire_slot_for_read = timed
+    return waits
+
+
+def pages_held(engine) -> tuple[int, int]:
+    """(pages this rank stores, logical pages) of the engine's requests, from its page table."""
+    pages = set()
+    for idx, n in engine.requests.lens.items():
+        pages.update((engine.req_to_token[idx, :n:PAGE].long() // PAGE).tolist())
+    if not hasattr(engine.pool, "shard_rank"):
+        return len(pages), len(pages)
+    return sum(1 for p in pages if p % engine.pool.shard_size == engine.pool.shard_rank), len(pages)
 
 
 # ---- the correctness scenario ---------------------------------------------------------------------
 
-# Contexts past index_topk (2048), so the indexer's top-k really selects. (request, new tokens).
+# Contexts past index_topk (2048), so the indexer's top-k really selects; extends start on a page,
+# as SGLang's scheduler makes them under KV sharding (radix matches are whole pages, chunks end on
+# pages). (request, new tokens).
 CHECK_BATCHES = [
-    [(0, 3000), (1, 1000)],  # cold prompts
-    [(0, 2500), (1, 700)],  # continuations: prefixes ending mid-page
-    # request 2 hits request 0's first 2048 cached tokens; request 0's third chunk; a new request
-    [(2, 900), (0, 1800), (3, 500)],
+    [(0, 3072), (1, 1000)],  # cold prompts (request 1's last page partly filled)
+    [(0, 2560), (2, 700)],  # request 0's second chunk (48 cached pages); a new request
+    # request 3 hits request 0's first 2048 cached tokens; request 0's third chunk; a new request
+    [(3, 900), (0, 1800), (4, 500)],
 ]
-CHECK_FORKS = {2: (2, 0, 2048)}  # before batch 2: request 2 starts with request 0's first 32 pages
-CHECK_DECODE = [(0, 1), (1, 1), (2, 1), (3, 1)]
+CHECK_FORK = (2, 3, 0, 2048)  # before batch 2: request 3 starts with request 0's first 32 pages
+CHECK_DECODE = [(i, 1) for i in range(5)]
 CHECK_MAX_LEN = 8192
+CHECK_PAGES_PER_RANK = 128
 
 
 def check_token_ids(vocab: int, seed: int = 5) -> dict[int, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {i: torch.randint(2, vocab, (CHECK_MAX_LEN,), generator=g) for i in range(4)}
+    ids = {i: torch.randint(2, vocab, (CHECK_MAX_LEN,), generator=g) for i in range(5)}
+    _, idx, source, length = CHECK_FORK
+    ids[idx][:length] = ids[source][:length]
+    return ids
 
 
-def run_check(rank, world, group, model_path, mode, prefetch=True, kv_cache_dtype="bfloat16"):
+def run_check(rank, world, group, model_path, mode, kv_cache_dtype="bfloat16"):
     """One rank of the correctness scenario. mode: 'off' (1 GPU, no CP), 'replicated' (SGLang's
-    CP, every rank keeps all KV) or 'shared' (the plugin, its dense scratch NaN as each batch
-    begins); `kv_cache_dtype` bfloat16 or fp8_e4m3.
-    Returns each batch's next-token logits
-    (CPU), then the decode step's, which runs on a non-CP pool assembled from the owners' pages
-    in the shared mode (what the owned-page PD transfer delivers to a decode instance)."""
+    CP, every rank keeps all KV) or 'shared' (the plugin loaded and enabled: SGLang's sharded
+    pool as the plugin's subclass, its gather scratch NaN as each batch begins); `kv_cache_dtype`
+    bfloat16 or fp8_e4m3. Returns each batch's next-token logits (CPU), then the decode step's,
+    which runs on a non-CP pool assembled from the page owners in the shared mode (what the
+    owned-page PD transfer delivers to a decode instance), with the pool's class, how it
+    gathered history and a digest per layer of the decode pool."""
+    import hashlib
+
+    from helpers import gpu_stand_ins
     from helpers import sglang_model_harness as H
 
     cp = 1 if mode == "off" else world
     sa = setup_process(rank, world, model_path, cp, kv_cache_dtype)
-    cp_group = None
     if mode == "shared":
         from sglang.srt.plugins import load_plugins
-        from sglang.srt.runtime_context import get_parallel
 
-        from sglang_nsa_cp.envs import envs
         from sglang_nsa_cp.sglang_ext.server_args import ATTR
 
-        load_plugins()
-        setattr(sa, ATTR, True)
-        os.environ[envs.SGLANG_NSA_CP_PREFETCH.name] = "1" if prefetch else "0"
-        cp_group = get_parallel().attn_cp_group.device_group
+        load_plugins()  # the plugin's entry point, as every SGLang process does
+        setattr(sa, ATTR, True)  # the decision its start-up validation writes
     mc, model = build_model(sa)
-    engine = H.Engine(
-        sa,
-        mc,
-        model,
-        pool_pages=256,
-        cp_group=cp_group,
-        max_len=CHECK_MAX_LEN,
-        scratch_pages=scratch_pages(CHECK_MAX_LEN, CHECK_MAX_LEN, world),
+    engine = GpuEngine(sa, mc, model, "shared" if mode == "shared" else "replicated", CHECK_PAGES_PER_RANK, world,
+                       max_len=CHECK_MAX_LEN, chunk_tokens=CHECK_MAX_LEN)  # fmt: skip
+    info = pool_info(engine.pool)
+    if mode == "shared":
+        H.poison_gather_scratch(engine.pool)  # as the CPU forward test does
+        gathers = H.count_history_gathers(engine.pool)
+    quantizations = H.count_fp8_quantizations()
+    toks = check_token_ids(mc.hf_config.vocab_size)
+    logits, history = [], []
+    for b, batch in enumerate(CHECK_BATCHES):
+        if b == CHECK_FORK[0]:
+            engine.requests.fork(*CHECK_FORK[1:])
+        logits.append(engine.run(engine.forward_batch(batch, toks)))
+        if mode == "shared":
+            history.append(engine.pool._block_pages > 0)
+    info.update(
+        history=history, fp8_quantizations=quantizations["calls"], cp_active=[t["cp_active"] for t in engine.trace]
     )
     if mode == "shared":
-        H.poison_scratch_each_batch(engine.pool.prefetcher)  # as the CPU forward test does
-    engine.init_requests(seed=3)
-    toks = check_token_ids(mc.hf_config.vocab_size)
-    logits = []
-    for b, batch in enumerate(CHECK_BATCHES):
-        if b in CHECK_FORKS:
-            idx, source, length = CHECK_FORKS[b]
-            engine.requests.fork(idx, source=source, length=length)
-        logits.append(engine.run(engine.forward_batch(batch, toks)))
-    info = {"pool": type(engine.pool).__name__, "pool_dtype": str(engine.pool.dtype)}
-    if mode == "shared":
-        info["early"] = engine.pool.prefetcher.early
+        info["gathered"] = dict(gathers)
         engine.pool.end_shard_extend()
-        engine.rebind_pool(H._replicated_pool_from_owners(engine))
+        engine.rebind_pool(H._decode_pool_from_page_owners(engine))
     # what a decode instance holds after the prefill batches (PD: the pages it receives): a digest per layer
-    import hashlib
-
     info["decode_pool_digests"] = [
         hashlib.sha256(buf.view(torch.uint8).cpu().numpy().tobytes()).hexdigest() for buf in engine.pool.kv_buffer
     ]
     logits.append(engine.run(engine.forward_batch(CHECK_DECODE, toks, decode=True)))
-    from helpers import gpu_stand_ins
-
     info["stand_ins"] = gpu_stand_ins.report()
+    info["comm_backend"] = comm_setup(rank, world)[0]
     return dict(logits=logits, **info)

@@ -28,6 +28,25 @@ from helpers.gpu_only import skip_unless_compiled_triton_on_cuda  # noqa: E402
 
 skip_unless_compiled_triton_on_cuda()
 
+
+def _sgl_kernel_without_op_library() -> bool:
+    """The GPU bundle's sgl_kernel: its Python files only (docs/gpu_bundle.md)."""
+    import glob
+    import importlib.util
+
+    spec = importlib.util.find_spec("sgl_kernel")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return not glob.glob(os.path.join(list(spec.submodule_search_locations)[0], "**", "common_ops.*"), recursive=True)
+
+
+if _sgl_kernel_without_op_library():
+    # The fp8 store's reference runs SGLang's quantizer, whose module imports sgl_kernel; the
+    # bundle's has no op library, so the stand-ins of helpers/gpu_stand_ins.py go in first.
+    from helpers import gpu_stand_ins  # noqa: E402
+
+    gpu_stand_ins.install()
+
 from sglang_nsa_cp import kernels  # noqa: E402
 from sglang_nsa_cp.kernels import copy_rows, formats, index_k_store, mla_fp8_owned_and_scratch, mla_fp8_store  # noqa: E402
 

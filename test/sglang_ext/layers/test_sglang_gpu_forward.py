@@ -3,14 +3,19 @@ attention dimensions (test/helpers/sglang_gpu_harness.py), FlashMLA's real spars
 
 Runs only where CUDA and the GPU bundle are (docs/gpu_bundle.md: `source scripts/gpu_unpack.sh`);
 skipped elsewhere. The same batches through CP off, SGLang's replicated interleave CP and the
-plugin's shared KV (with and without one-layer-ahead prefetch): cold prompts longer than the
-indexer's top-k, continuations whose prefix ends mid-page, a batch with a radix hit, a third chunk
-and a new request, then a decode step from a pool assembled from the owners' pages. CP=2 and CP=4,
-each with bf16 KV and with `--kv-cache-dtype fp8_e4m3` (656-byte FlashMLA rows; decode on
-flashmla_kv). Ranks get a GPU each over NCCL where there are enough GPUs; otherwise they share GPU 0
-over gloo (`comm_setup`): the same kernels on the same data, so every check holds unchanged, only
-the collectives are slower. Shared KV must equal replicated CP bit for bit (same kernels, same
-inputs); CP off may differ from CP by bf16 rounding (docs/sglang_gpu_forward.md says by how much).
+flag's shared KV (SGLang's page-interleaved pool, the plugin's subclass, history gathered one
+layer ahead; its gather scratch NaN as each batch begins): cold prompts longer than the
+indexer's top-k, a second chunk, a batch with a radix hit on 32 cached pages, a third chunk and
+new requests (every extend starting on a page, as SGLang schedules them under KV sharding), then
+a decode step from a pool assembled from the page owners. CP=2 and CP=4, each with bf16 KV and
+with `--kv-cache-dtype fp8_e4m3` (656-byte FlashMLA rows; decode on flashmla_kv). Request pages
+come from SGLang's owner-rotating allocator in every run. Ranks get a GPU each over NCCL where
+there are enough GPUs, the pool gathering history with SGLang's PyNccl communicator; otherwise
+they share GPU 0 over gloo (`comm_setup`) and `GlooAllGather` stands in for that communicator
+(`use_gloo_history_gather`): the same kernels on the same data, so every check holds unchanged,
+only the collectives are slower. Shared KV must equal replicated CP bit for bit (same kernels,
+same inputs); CP off may differ from CP by bf16 rounding (docs/sglang_gpu_forward.md says by
+how much).
 """
 
 from __future__ import annotations
@@ -37,19 +42,21 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-RUNS = {  # name: (ranks, mode, prefetch, kv_cache_dtype)
-    "off": (1, "off", False, "bfloat16"),
-    "replicated": (2, "replicated", False, "bfloat16"),
-    "shared": (2, "shared", True, "bfloat16"),
-    "shared-no-prefetch": (2, "shared", False, "bfloat16"),
-    "fp8-replicated": (2, "replicated", False, "fp8_e4m3"),
-    "fp8-shared": (2, "shared", True, "fp8_e4m3"),
-    # CP=4: more ranks than this machine has GPUs, so they share GPU 0 over gloo (comm_setup)
-    "cp4-replicated": (4, "replicated", False, "bfloat16"),
-    "cp4-shared": (4, "shared", True, "bfloat16"),
-    "cp4-fp8-replicated": (4, "replicated", False, "fp8_e4m3"),
-    "cp4-fp8-shared": (4, "shared", True, "fp8_e4m3"),
+RUNS = {  # name: (ranks, mode, kv_cache_dtype)
+    "off": (1, "off", "bfloat16"),
+    "replicated": (2, "replicated", "bfloat16"),
+    "shared": (2, "shared", "bfloat16"),
+    "fp8-replicated": (2, "replicated", "fp8_e4m3"),
+    "fp8-shared": (2, "shared", "fp8_e4m3"),
+    # CP=4: more ranks than a 1- or 2-GPU machine has, so they share GPU 0 over gloo (comm_setup)
+    "cp4-replicated": (4, "replicated", "bfloat16"),
+    "cp4-shared": (4, "shared", "bfloat16"),
+    "cp4-fp8-replicated": (4, "replicated", "fp8_e4m3"),
+    "cp4-fp8-shared": (4, "shared", "fp8_e4m3"),
 }
+PAIRS = [("shared", "replicated"), ("fp8-shared", "fp8-replicated"), ("cp4-shared", "cp4-replicated"),
+         ("cp4-fp8-shared", "cp4-fp8-replicated")]  # fmt: skip
+PLUGIN_POOL = ("sglang_nsa_cp.sglang_ext.mem_cache.page_interleave_pool", "PageInterleaveDSATokenToKVPool")
 
 
 @pytest.fixture(scope="module")
@@ -58,40 +65,43 @@ def runs():
 
     path = G.write_config(tempfile.mkdtemp(prefix="glm5_attn_"), G.GLM5_ATTN)
     return {
-        name: run_ranks(
-            G.run_check, world, args=(path, mode, prefetch, kv), backend=G.comm_setup(0, world)[0], timeout_s=900
-        )
-        for name, (world, mode, prefetch, kv) in RUNS.items()
+        name: run_ranks(G.run_check, world, args=(path, mode, kv), backend=G.comm_setup(0, world)[0], timeout_s=900)
+        for name, (world, mode, kv) in RUNS.items()
     }
 
 
-@pytest.mark.parametrize(
-    "run, reference",
-    [
-        ("shared", "replicated"),
-        ("shared-no-prefetch", "replicated"),
-        ("fp8-shared", "fp8-replicated"),
-        ("cp4-shared", "cp4-replicated"),
-        ("cp4-fp8-shared", "cp4-fp8-replicated"),
-    ],
-)
+@pytest.mark.parametrize("run, reference", PAIRS)
 def test_shared_kv_equals_replicated_cp_bit_for_bit(runs, run, reference):
     """Every rank's logits of every batch and the decode step, bit for bit; the decode pool
-    assembled from the owners' pages holds the replicated prefill's bytes (per-layer digests)."""
+    assembled from the page owners holds the replicated prefill's bytes (per-layer digests)."""
     for rank, (r, rep) in enumerate(zip(runs[run], runs[reference])):
-        assert r["pool"] == "SharedKVDSATokenToKVPool" and rep["pool"] == "DSATokenToKVPool"
+        assert (r["pool_module"], r["pool"]) == PLUGIN_POOL, f"{run}, rank {rank}: {r['pool_module']}.{r['pool']}"
+        assert rep["pool"] == "DSATokenToKVPool", f"{reference}, rank {rank}: {rep['pool']}"
         assert r["pool_dtype"] == rep["pool_dtype"], f"{run}, rank {rank}"
+        # the prefill batches took SGLang's CP path (recorded before the decode step)
+        assert r["cp_active"] == rep["cp_active"] == [True] * 3, f"{run}, rank {rank}: {r['cp_active']}"
         for b, (got, want) in enumerate(zip(r["logits"], rep["logits"])):
             assert torch.isfinite(got).all(), f"{run}, rank {rank}, batch {b}: non-finite logits"
             assert torch.equal(got, want), f"{run}, rank {rank}, batch {b}: max diff {float((got - want).abs().max())}"
         assert r["decode_pool_digests"] == rep["decode_pool_digests"], f"{run}, rank {rank}: decode pool bytes differ"
-    if not RUNS[run][2]:
-        assert not r["early"], f"{run}: prefetch is off, yet a layer was gathered ahead"
 
 
-def test_prefetch_gathers_the_next_layer_ahead(runs):
-    # at CP=2 the last batch has enough history pages per rank for an early launch
-    assert runs["shared"][0]["early"] and runs["fp8-shared"][0]["early"]
+@pytest.mark.parametrize("run", [p[0] for p in PAIRS])
+def test_history_is_gathered_one_layer_ahead_by_the_pools_communicator(runs, run):
+    """Batches 1 and 2 have cached history: one latent and one index-K all-gather per layer each,
+    through SGLang's PyNccl communicator with a GPU per rank, through the gloo stand-in where the
+    ranks share a GPU."""
+    from helpers import sglang_gpu_harness as G
+
+    world = RUNS[run][0]
+    want_comm = "PyNcclCommunicator" if G.comm_setup(0, world)[0] == "nccl" else "GlooAllGather"
+    layers = G.GLM5_ATTN["num_hidden_layers"]
+    for rank, r in enumerate(runs[run]):
+        assert r["history"] == [False, True, True], f"{run}, rank {rank}: {r['history']}"
+        assert r["gather_comm"] == want_comm, f"{run}, rank {rank}: {r['gather_comm']}"
+        assert r["gathered"]["calls"] == 2 * 2 * layers, f"{run}, rank {rank}: {r['gathered']}"
+        # the plugin's scratch: one context of CHECK_MAX_LEN tokens plus one chunk, not SGLang's eight
+        assert r["scratch_prefix_tokens"] == G.CHECK_MAX_LEN, f"{run}, rank {rank}: {r['scratch_prefix_tokens']}"
 
 
 def test_fp8_runs_really_use_the_fp8_cache(runs):
@@ -99,6 +109,16 @@ def test_fp8_runs_really_use_the_fp8_cache(runs):
         assert runs[name][0]["pool_dtype"] == "torch.float8_e4m3fn", name
     # batches with history read the cache: their logits differ from the bf16 cache's
     assert not torch.equal(runs["fp8-replicated"][0]["logits"][1], runs["replicated"][0]["logits"][1])
+
+
+def test_fp8_shared_pool_stores_with_the_fused_kernel(runs):
+    """The plugin's subclass quantizes a chunk once, in `kernels.store_mla_fp8_owned_and_scratch`
+    (on CUDA its kernel, which never calls SGLang's `quantize_k_cache_separate`); SGLang's
+    replicated fp8 pool calls that quantizer at every layer's store."""
+    for name in ("fp8-shared", "cp4-fp8-shared"):
+        print(name, "SGLang quantizer calls:", [r["fp8_quantizations"] for r in runs[name]])
+        assert all(r["fp8_quantizations"] == 0 for r in runs[name]), name
+    print("fp8-replicated", "SGLang quantizer calls:", [r["fp8_quantizations"] for r in runs["fp8-replicated"]])
 
 
 def test_cp_matches_cp_off_within_bf16_rounding(runs):
