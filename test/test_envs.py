@@ -47,8 +47,8 @@ def test_typed_reads_and_overrides(monkeypatch):
         envs.SGLANG_NSA_CP_PD_SECRET.get()
     with envs.SGLANG_NSA_CP_TEST_SEED.override(7):
         assert envs.SGLANG_NSA_CP_TEST_SEED.get() == 7
-    with pytest.raises(RuntimeError, match=r"use SGLANG_NSA_CP_PREFETCH.get\(\)"):
-        bool(envs.SGLANG_NSA_CP_PREFETCH)
+    with pytest.raises(RuntimeError, match=r"use SGLANG_NSA_CP_SHARED_KV.get\(\)"):
+        bool(envs.SGLANG_NSA_CP_SHARED_KV)
 
 
 if __name__ == "__main__":

@@ -143,12 +143,6 @@ class NsaCpEnvs:
         "Turn shared-KV prefill CP on, as `--enable-nsa-prefill-cp-shared-kv` does; for "
         "`sglang.Engine(...)` users, whose keyword arguments cannot carry a flag SGLang does not declare.",
     )
-    SGLANG_NSA_CP_PREFETCH = EnvBool(
-        "SGLANG_NSA_CP_PREFETCH",
-        True,
-        "One-layer-ahead history prefetch in the shared-KV pool. 0: each layer's history is "
-        "all-gathered when the layer is first written, on the writing stream (diagnosis only).",
-    )
     SGLANG_NSA_CP_SCRATCH_CONTEXTS = EnvInt(
         "SGLANG_NSA_CP_SCRATCH_CONTEXTS",
         1,

@@ -158,9 +158,7 @@ def kv_pool_format(sa, mc) -> tuple[torch.dtype, int]:
 class Engine:
     """One rank's model, KV pool, DSA backend and request table: what SGLang's ModelRunner holds."""
 
-    def __init__(
-        self, sa, mc, model, pool_pages: int, cp_group=None, max_len: int = 1024, scratch_pages: int = 0, layer_num=None
-    ):
+    def __init__(self, sa, mc, model, pool_pages: int, max_len: int = 1024, layer_num=None):
         cfg = mc.hf_config
         self.sa, self.mc, self.model = sa, mc, model
         self.device = torch.device("cuda", torch.cuda.current_device()) if sa.device == "cuda" else torch.device("cpu")
@@ -168,7 +166,6 @@ class Engine:
         kw = dict(page_size=PAGE, kv_lora_rank=cfg.kv_lora_rank, dtype=self.kv_dtype,
                   qk_rope_head_dim=cfg.qk_rope_head_dim, layer_num=layer_num or cfg.num_hidden_layers, device=self.device,
                   index_head_dim=cfg.index_head_dim, enable_memory_saver=False, kv_cache_dim=kv_cache_dim)  # fmt: skip
-        self._cp_group, self._scratch_pages = cp_group, scratch_pages
         self.pool = self.make_pool(kw, pool_pages)
         self.pool_bytes = self.pool.get_kv_size_bytes()
         self.trace = []  # per forward: whether SGLang's CP path ran, rows handed to the logits
@@ -177,18 +174,10 @@ class Engine:
         self.rebind_pool(self.pool)
 
     def make_pool(self, kw, pool_pages):
+        """SGLang's unsharded `DSATokenToKVPool` of `pool_pages` pages (`RotatedEngine`: sharded)."""
         from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
-        from sglang.srt.runtime_context import get_parallel
 
-        if self._cp_group is None:
-            return DSATokenToKVPool(size=pool_pages * PAGE, **kw)
-        from sglang_nsa_cp.sglang_ext.mem_cache.memory_pool import SharedKVDSATokenToKVPool
-
-        par = get_parallel()  # the plugin's pool, as its _build_dsa_kv_pool hook builds it
-        return SharedKVDSATokenToKVPool(
-            size=pool_pages * PAGE, **kw, cp_rank=par.attn_cp_rank, cp_size=par.attn_cp_size,
-            cp_group=self._cp_group, scratch_pages=self._scratch_pages,
-        )  # fmt: skip
+        return DSATokenToKVPool(size=pool_pages * PAGE, **kw)
 
     def rebind_pool(self, pool):
         """(Re)build SGLang's DSA backend over `pool`, as ModelRunner does at start-up."""
@@ -271,46 +260,12 @@ class Engine:
 
 # ---- one rank's scenario ---------------------------------------------------------------------------
 
-# Prefill batches (request index, new tokens), then one decode step for every request.
-BATCHES = [
-    [(0, 70), (1, 9)],  # new requests (no history)
-    [(0, 60), (1, 4)],  # continuations: prefixes ending mid-page, request 0 crossing into a third page
-    # request 2 shares request 0's first page (radix hit); a new request; request 0's third chunk
-    [(2, 3), (1, 2), (3, 1), (0, 40)],
-]
-DECODE = [(0, 1), (1, 1), (2, 1), (3, 1)]
 MAX_TOKENS = 256
 
 
 def token_ids(seed: int = 5) -> dict[int, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {i: torch.randint(2, TINY_V32["vocab_size"], (MAX_TOKENS,), generator=g) for i in range(4)}
-
-
-def _replicated_pool_from_owners(engine):
-    """What the owned-page PD transfer hands a non-CP decode instance: every logical page from its
-    owner (page p on rank p % N, local page p // N), assembled into SGLang's unmodified pool."""
-    import torch.distributed as dist
-    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
-
-    shared, n = engine.pool, engine.pool.cp_size
-    full = DSATokenToKVPool(
-        size=shared.size, page_size=PAGE, kv_lora_rank=shared.kv_lora_rank, dtype=shared.dtype,
-        qk_rope_head_dim=shared.qk_rope_head_dim, layer_num=shared.layer_num, device=engine.device,
-        index_head_dim=128, enable_memory_saver=False, kv_cache_dim=shared.kv_cache_dim,
-    )  # fmt: skip
-    local_pages = shared.store.local_pages - 1  # minus the trash page
-    pages = full.kv_buffer[0].shape[0] // PAGE  # SGLang's pool: size + one page
-    for layer in range(shared.layer_num):
-        for src, dst in ((shared.store.latent[layer].view(shared.store.local_pages, -1), full.kv_buffer[layer].view(pages, -1)),
-                         (shared.store.index[layer], full.index_k_with_scale_buffer[layer])):  # fmt: skip
-            mine = src[:local_pages].contiguous()
-            gathered = mine.new_empty((n * local_pages, *mine.shape[1:]))
-            dist.all_gather_into_tensor(gathered.view(torch.uint8), mine.view(torch.uint8), group=shared.cp_group)
-            gathered = gathered.view(n, local_pages, -1)
-            logical = torch.arange(1, pages, device=gathered.device)  # page 0: SGLang's padding page
-            dst[1:pages] = gathered[logical % n, logical // n]
-    return full
 
 
 def _record_tail_rows(engine):
@@ -360,87 +315,6 @@ def record_collectives() -> list:
 
         setattr(dist, name, recorded)
     return log
-
-
-def poison_scratch_each_batch(prefetcher) -> None:
-    """Fill the pool's dense scratch with 0xFF bytes (NaN as bf16, fp8 and fp32) as each batch
-    begins: uninitialized or stale memory may hold NaN, so SGLang's forward must read no dense row
-    the pool did not write in this batch (the trash page, a chunk's unused tail rows) in a way that
-    reaches the logits."""
-    begin = prefetcher.begin
-
-    def poisoned_begin(plan):
-        prefetcher.reserve(plan.num_dense_pages)
-        for half in prefetcher._halves:
-            for t in half:
-                t.view(torch.uint8).fill_(0xFF)
-        begin(plan)
-
-    prefetcher.begin = poisoned_begin
-
-
-def run_scenario(rank, world, group, model_path, mode, prefetch=True, kv_cache_dtype="bfloat16"):
-    """mode: 'off' (1 rank, no CP), 'replicated' (SGLang's CP, every rank keeps all KV) or
-    'shared' (the plugin's pool, with or without one-layer-ahead history prefetch, and its tail
-    gather; its dense scratch poisoned as each batch begins); `kv_cache_dtype` bfloat16 or fp8_e4m3. Returns each batch's next-token logits, every
-    collective the rank issued and, for CP runs, the decode pool's latent bytes per layer."""
-    import time
-
-    from sglang.srt.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-    from sglang.srt.runtime_context import get_parallel
-
-    t0 = time.monotonic()
-    cp = 1 if mode == "off" else world
-    sa = setup_process(rank, world, model_path, cp, kv_cache_dtype)
-    if mode == "shared":
-        from sglang.srt.plugins import load_plugins
-
-        from sglang_nsa_cp.envs import envs
-        from sglang_nsa_cp.sglang_ext.server_args import ATTR
-
-        load_plugins()  # the plugin's entry point, as every SGLang process does
-        setattr(sa, ATTR, True)  # the decision its start-up validation writes (see docs)
-        os.environ[envs.SGLANG_NSA_CP_PREFETCH.name] = "1" if prefetch else "0"
-    mc, model = build_model(sa)
-    cp_group = get_parallel().attn_cp_group.device_group if mode == "shared" else None
-    engine = Engine(sa, mc, model, pool_pages=24, cp_group=cp_group)
-    if mode == "shared":
-        # These histories are a few pages per rank: launch them ahead all the same.
-        engine.pool.prefetcher.min_pages_per_rank = 1
-        poison_scratch_each_batch(engine.pool.prefetcher)
-    collectives = record_collectives()
-    _record_tail_rows(engine)
-    info = dict(pool=type(engine.pool).__name__, sharded_pool_seen=engine.backend._kv_shard_pool is engine.pool,
-                pool_dtype=str(engine.pool.dtype))  # fmt: skip
-    if mode == "shared":
-        from sglang_nsa_cp.comm import TrafficCounter
-
-        engine.pool.counter = TrafficCounter()
-    engine.init_requests(seed=3)
-    toks = token_ids()
-    logits, timings = [], {"build": time.monotonic() - t0}
-    for b, batch in enumerate(BATCHES):
-        if b == 2:
-            engine.requests.fork(2, source=0, length=PAGE)
-        t = time.monotonic()
-        logits.append(engine.run(engine.forward_batch(batch, toks)))
-        timings[f"prefill{b}"] = time.monotonic() - t
-        if mode == "shared":  # whether the batch had history and launched it one layer ahead
-            engine.trace[-1].update(history=engine.pool.plan.has_history, early=engine.pool.prefetcher.early)
-    info["collectives"] = list(collectives)  # the prefill batches' (the decode pool below is test set-up)
-    if mode == "shared":  # decode on a non-CP instance: pages from their owners
-        info["gathered"] = engine.pool.counter.as_dict()
-        engine.pool.end_shard_extend()
-        engine.rebind_pool(_replicated_pool_from_owners(engine))
-    # what a decode instance holds after the prefill batches (PD: the pages it receives)
-    info["decode_pool_latent"] = [buf.view(torch.uint8).clone() for buf in engine.pool.kv_buffer]
-    t = time.monotonic()
-    logits.append(engine.run(engine.forward_batch(DECODE, toks, decode=True)))
-    timings["decode"] = time.monotonic() - t
-    out = dict(logits=logits, timings=timings, pool_bytes=int(engine.pool_bytes), trace=engine.trace, **info)
-    destroy_model_parallel()
-    destroy_distributed_environment()
-    return out
 
 
 # ---- SGLang's page-interleaved pool (the rebased plugin) -----------------------------------------
