@@ -14,7 +14,7 @@ PREFIX with an earlier one, prefilled untimed, and adds NEW tokens). For every c
 reports the time per chunk, per-layer times (CUDA events at each decoder layer), the exposed
 materialize time (what the stream waits for history, CUDA events in the pool's prefetcher), KV
 and scratch bytes per rank, and whether the last-token logits equal the replicated path's bit for
-bit. Then the materialize step alone against a raw all-gather of the same bytes. Raw numbers:
+bit. Raw numbers:
 DIR/bench_sglang_prefill.json (bench_sglang_prefill_fp8.json with fp8 KV); `--plot`: the
 timeline png of the same name.
 """
@@ -29,7 +29,6 @@ import statistics
 import sys
 import tempfile
 import time
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -37,10 +36,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "test"))
 
 from helpers import sglang_gpu_harness as G  # noqa: E402
-from bench_prefill import materialize_vs_allgather, save_results  # noqa: E402
-
-from sglang_nsa_cp.cli import comma_list, format_table, int_pair, save_plot  # noqa: E402
-from sglang_nsa_cp.comm import run_ranks  # noqa: E402
+from helpers.distributed import run_ranks  # noqa: E402
+from tables import comma_list, format_table, int_pair, save_plot, save_results  # noqa: E402
 
 PATHS = ("replicated", "shared", "shared_prefetch")
 MIB = 1 << 20
@@ -177,14 +174,9 @@ def rank_main(rank, world, group, args, model_path):
     profiles = (
         _profile(sa, mc, model, cp_group, pool_pages, max_len, clock, cases[-1], args, tokens) if args.profile else {}
     )
-    bandwidth = _materialize_bandwidth(args, rank, world, group, cases)
     from helpers import gpu_stand_ins
 
-    return (
-        {"results": results, "bandwidth": bandwidth, "profiles": profiles, "stand_ins": gpu_stand_ins.report()}
-        if rank == 0
-        else None
-    )
+    return {"results": results, "profiles": profiles, "stand_ins": gpu_stand_ins.report()} if rank == 0 else None
 
 
 def _profile(sa, mc, model, cp_group, pool_pages, max_len, clock, case, args, tokens):
@@ -210,22 +202,6 @@ def _profile(sa, mc, model, cp_group, pool_pages, max_len, clock, case, args, to
         del engine
         torch.cuda.empty_cache()
     return tables
-
-
-def _materialize_bandwidth(args, rank, world, group, cases):
-    """The materialize step (the same core code the pool runs) next to a raw all-gather."""
-    ns = SimpleNamespace(page_size=G.PAGE, bw_repeats=args.bw_repeats)
-    device = torch.device("cuda", rank)
-    latent_dim = G.GLM5_ATTN["kv_lora_rank"] + G.GLM5_ATTN["qk_rope_head_dim"]
-    # the history each case's last chunk materializes per layer
-    sizes = [c["prefix"] for c in cases if c["prefix"]] + [
-        c["new"] - args.chunk for c in cases if not c["prefix"] and c["new"] > args.chunk
-    ]
-    fp8 = args.kv_cache_dtype == "fp8_e4m3"  # the pool's 656-byte FlashMLA rows
-    return [
-        materialize_vs_allgather(n, ns, rank, world, group, device, torch.bfloat16, latent_dim, fp8_latent=fp8)
-        for n in sizes
-    ]
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -287,26 +263,13 @@ def report(out, args) -> dict:
     ]  # fmt: skip
     print(format_table(table, align="r"))
     print()
-    bw = [["history tokens", "gathered MiB", "materialize ms", "all-gather ms", "fraction of all-gather"]]
-    for b in out["bandwidth"]:
-        bw.append(
-            [
-                b["history_tokens"],
-                f"{b['gathered_bytes'] / MIB:.1f}",
-                f"{b['materialize_ms']:.3f}",
-                f"{b['allgather_ms']:.3f}",
-                f"{b['fraction_of_allgather']:.2f}",
-            ]
-        )
-    print(format_table(bw, align="r"))
-    print()
     print(out["stand_ins"])
     for path, table in out["profiles"].items():
         print(
             f"\nprofile of {path} ({out['results'][-1]['case']['name']}, every chunk incl. the untimed prefix)\n{table}"
         )
     return {"machine": _machine(), "args": vars(args), "config": G.GLM5_ATTN | {"num_hidden_layers": args.layers},
-            "paths": summary, "materialize_bandwidth": out["bandwidth"], "stand_ins": out["stand_ins"]}  # fmt: skip
+            "paths": summary, "stand_ins": out["stand_ins"]}  # fmt: skip
 
 
 def _machine() -> dict:
