@@ -1,6 +1,6 @@
 """The installed package holds what the SGLang plugin runs and nothing else: every module imports,
 none lies outside the allow-list, and importing the package, or the plugin's ledger, pulls in no
-torch, SGLang or Mooncake (CPU, ~10 s)."""
+torch, SGLang or Mooncake (CPU, ~20 s: importing every module imports SGLang)."""
 
 import importlib
 import pkgutil
@@ -11,7 +11,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 import sglang_nsa_cp
 
-register_cpu_ci(est_time=10, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=25, suite="nsa-cp-test-cpu")
 
 # Top-level modules and packages of sglang_nsa_cp (sglang_ext/ is the plugin: all of it belongs).
 ALLOWED = {
