@@ -7,6 +7,7 @@ import pkgutil
 import subprocess
 import sys
 
+import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
 import sglang_nsa_cp
@@ -63,3 +64,7 @@ def test_the_package_and_the_ledger_import_nothing_heavy():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]", f"`import sglang_nsa_cp` + the ledger imported: {out}"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
