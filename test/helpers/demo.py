@@ -28,8 +28,10 @@ from helpers import sglang_servers as S
 PROMPT_LENGTHS = (5, 70, 200)  # one page, two pages, four pages (the last one in 2 prefill chunks)
 NEW_TOKENS = 8
 MAX_CP = 8
-# each rank's pool allocation (SGLang's mem_cache/memory_pool.py); its sizes are rounded to 0.01 GB
-POOL_LOG = re.compile(r"KV Cache is allocated\. dtype: (\S+), #tokens: (\d+)")
+# each CP rank's pool allocation (SGLang's mem_cache/memory_pool.py; its GB are rounded to 0.01) and
+# the sharded pool's gather scratch (mem_cache/page_interleave_pool.py), tagged with the rank
+POOL_LOG = re.compile(r"ATTN_CP(\d+) [^\]]*\] KV Cache is allocated\. dtype: \S+, #tokens: (\d+)")
+SCRATCH_LOG = re.compile(r"ATTN_CP(\d+) [^\]]*\] Page-interleave KV sharding enabled: .*?\(([\d.]+) MiB per rank")
 TRANSFER_KEYS = ("kv_transfer_speed_gb_s", "kv_transfer_latency_ms")
 
 
@@ -93,13 +95,13 @@ def capacity(server) -> dict:
     """SGLang's own numbers: logical tokens the scheduler admits against (/v1/loads), and per CP
     rank the KV pool's GB and token capacity (/get_server_info) and its allocation log line."""
     (load,) = requests.get(server.url + "/v1/loads", timeout=10).json()["loads"]
-    states = server.info()["internal_states"]
-    pools = POOL_LOG.findall(server.log_text())
+    states = server.info()["internal_states"]  # one per DP rank (the CP group's rank 0 answers)
+    log = server.log_text()
     return {
         "logical_tokens": int(load["max_total_num_tokens"]),
         "kv_gb": [s["memory_usage"]["kvcache"] for s in states],
-        "rank_tokens": [s["memory_usage"]["token_capacity"] for s in states],
-        "pool_rows": [int(n) for _, n in pools],
+        "pool_rows": {int(r): int(n) for r, n in POOL_LOG.findall(log)},
+        "scratch_mib": {int(r): float(m) for r, m in SCRATCH_LOG.findall(log)},
         "transfer": {k: (load.get("disaggregation") or {}).get(k) for k in TRANSFER_KEYS},
     }
 
@@ -147,26 +149,30 @@ def report(args, rows, shared, replicated, startup_s: float) -> bool:
     print(
         f"logical capacity (/v1/loads)        {shared['logical_tokens']:>8d} tokens  {replicated['logical_tokens']:>8d} tokens"
     )
-    for r in range(n):
-        sh_gb, rep_gb = shared["kv_gb"][r], replicated["kv_gb"][r]
-        print(f"rank {r} KV pool (/get_server_info)    {sh_gb:8.3f} GB       {rep_gb:8.3f} GB")
+    for i, (sh_gb, rep_gb) in enumerate(zip(shared["kv_gb"], replicated["kv_gb"])):
+        print(f"KV pool (/get_server_info, state {i})   {sh_gb:8.3f} GB       {rep_gb:8.3f} GB")
     row_bytes = token_bytes(args.kv_cache_dtype)
-    if len(shared["pool_rows"]) >= n and len(replicated["pool_rows"]) >= n:
-        for r in range(n):
-            sh, rep = shared["pool_rows"][r], replicated["pool_rows"][r]
-            print(f"rank {r} pool rows (allocation log) {sh:>6d} = {_mib(sh * row_bytes):>10s}  "
-                  f"{rep:>6d} = {_mib(rep * row_bytes):>10s}")  # fmt: skip
-        sh_per, rep_per = (sum(c["pool_rows"][:n]) * row_bytes / n / c["logical_tokens"] for c in (shared, replicated))
+    rows = [(r, shared["pool_rows"].get(r), replicated["pool_rows"].get(r)) for r in range(n)]
+    for r, sh, rep in rows:
+        if sh is not None and rep is not None:
+            print(f"rank {r} pool rows (allocation log) {sh:>6d} = {_mib(sh * row_bytes):>9s}  "
+                  f"{rep:>6d} = {_mib(rep * row_bytes):>9s}")  # fmt: skip
+    for r, mib in sorted(shared["scratch_mib"].items()):
+        print(f"rank {r} gather scratch (its log)     {mib:8.2f} MiB, charged against the KV budget")
+    if all(sh is not None and rep is not None for _, sh, rep in rows):
+        sh_per, rep_per = (
+            sum(c["pool_rows"][r] for r in range(n)) * row_bytes / n / c["logical_tokens"] for c in (shared, replicated)
+        )
         print(f"KV bytes per rank per logical token {sh_per:8.1f} B        {rep_per:8.1f} B   "
               f"(shared / replicated = {sh_per / rep_per:.3f}; 1/N = {1 / n:.3f})")  # fmt: skip
     ratio = shared["logical_tokens"] / replicated["logical_tokens"]
     print(f"logical capacity, shared / replicated = {ratio:.2f} x in the same KV memory per rank")
     pages = [-(-length // page) for length in PROMPT_LENGTHS]
     owned = [sum(1 for p in pages for k in range(p) if k % n == r) for r in range(n)]
-    print(f"pages held and sent per CP rank: not reported by SGLang (no per-rank page count in /v1/loads, "
-          f"/get_server_info or its info logs); by SGLang's ownership rule (request page k on rank k % {n}) "
-          f"these prompts' {sum(pages)} pages are {owned} per rank, a replicated rank holds all {sum(pages)} "
-          f"and its rank 0 sends them")  # fmt: skip
+    print(f"pages held and sent per CP rank: not in SGLang's reports (/v1/loads is per DP rank; no per-rank page "
+          f"count in /get_server_info or the info logs). By SGLang's rule (owner = logical page % {n}, rotating over "
+          f"a request's pages) each rank holds and sends about 1/{n} of these prompts' {sum(pages)} pages "
+          f"(e.g. {owned}); a replicated rank holds all {sum(pages)}, its rank 0 sends them")  # fmt: skip
     transfer = shared["transfer"]
     if any(v is not None for v in transfer.values()):
         print(f"shared prefill's last KV transfer (/v1/loads): {transfer}")
@@ -198,8 +204,8 @@ def main(argv=None) -> int:
         stage("stopping every server")
         leftovers = cluster.stop()
         print(f"stopped: {'LEFT OVER ' + str(leftovers) if leftovers else 'no process or port left'}")
-    print(f"oracle: {'ok' if ok else 'FAILED'}")
-    print(f"wall time: {time.monotonic() - t0:.0f} s")
+        print(f"oracle: {'ok' if ok else 'FAILED'}")
+        print(f"wall time: {time.monotonic() - t0:.0f} s")
     return 0 if ok else 1
 
 
