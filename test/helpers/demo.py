@@ -174,7 +174,7 @@ def report(args, rows, shared, replicated, startup_s: float) -> bool:
           f"a request's pages) each rank holds and sends about 1/{n} of these prompts' {sum(pages)} pages "
           f"(e.g. {owned}); a replicated rank holds all {sum(pages)}, its rank 0 sends them")  # fmt: skip
     transfer = shared["transfer"]
-    if any(v is not None for v in transfer.values()):
+    if any(transfer.values()):  # SGLang reports 0.0 when it has no recent transfer
         print(f"shared prefill's last KV transfer (/v1/loads): {transfer}")
     return ok
 
