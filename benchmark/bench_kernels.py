@@ -1,34 +1,17 @@
-"""Bandwidth of the shared-KV kernels on CUDA, next to a device copy and plain torch (GPU, ~1 min).
+"""Bandwidth of the plugin's fused fp8 store on CUDA, next to a device copy and SGLang's own path (GPU, ~1 min).
 
-    PYTHONPATH=python python benchmark/bench_kernels.py [--sizes 16,64,256] [--out DIR] [--plot] [--sweep]
-        [--only rerange,materialize,store,fp8_store_sglang] [--tokens 8192] [--dry-run]
+    PYTHONPATH=python python benchmark/bench_kernels.py [--tokens 8192] [--out DIR] [--plot] [--sweep] [--dry-run]
 
-For every kernel and row kind (bf16 latent rows of 1152 bytes, FlashMLA fp8 rows of 656 bytes,
-index rows of 132 bytes, and 64-token pages of each) and input size, the run:
-1. checks the Triton kernel (and, for the fp8 store, the CUDA kernel too: rows
-   "store_owned_mla_fp8[cuda]") bitwise against the torch reference on poisoned outputs;
-2. times it with CUDA events (median of many runs after warm-up, L2 flushed before each run);
-3. times, in the same run, a device-to-device copy of the same bytes and the fastest plain-torch
-   equivalent of several (index_select / index_copy_ / advanced indexing, on the native dtype
-   and on the widest word view).
-Bytes moved count row payload read plus written (index tensors excluded), the same way for the
-kernel and for the copy; "of copy" is copy time / kernel time. Results go to DIR/bench_kernels.json
-and .csv (default benchmark/results/), with --plot to DIR/bench_kernels.png; --sweep first times
-launch shapes of each kernel family (at 64 MiB and the largest size) and runs the table with the
-best ones.
-
-Cases: rerange = gather_rows of a rank-major all-gathered tensor by a split plan's rerange index
-(CP 4, zigzag over 4 requests, or interleave), also for index keys without their scale (128-byte
-rows, as when key and scale travel as two tensors); materialize = gather_rows of 64-token pages by a
-random page permutation; materialize-scatter = scatter_rows of token rows into page-ordered dense
-rows (pages in random order) or of pages by a permutation; store = store_owned_* at rank 0 of CP N,
-either from the all-gathered batch ("gathered", about 1/N of the rows owned) or from the rank's
-own rows under compute-owner allocation ("local", all owned); fp8-store-sglang =
-store_mla_fp8_owned_and_scratch at rank 0 of CP 2, 4, 8 for --tokens tokens (not --sizes): every
-row to the layer's scratch, the owned ones to the shard, against what SGLang's
+fp8-store-sglang = store_mla_fp8_owned_and_scratch at rank 0 of CP 2, 4, 8 for --tokens tokens:
+every row to the layer's scratch, the owned ones to the shard, against what SGLang's
 PageInterleaveDSATokenToKVPool.set_mla_kv_buffer does (quantize_k_cache_separate twice, the owned
 rows index_select-ed first, then two stores: index_copy_ of the nope and rope parts, or SGLang's
-set_mla_kv_buffer_triton where it runs). All three write the same bytes (checked first).
+set_mla_kv_buffer_triton where it runs). All write the same bytes (checked first, on poisoned
+outputs); times are CUDA-event medians after warm-up with L2 flushed; "of copy" is the time of a
+device-to-device copy of the same bytes / the kernel's. Results go to DIR/bench_kernels.json and
+.csv (default benchmark/results/), with --plot to DIR/bench_kernels.png; --sweep first times
+launch shapes and runs the table with the best. (The copy, materialize and store kernels of the
+plugin's former pool, and their rows in docs/kernels.md, went with that pool.)
 
 --dry-run checks the fp8-store-sglang cases on CPU under TRITON_INTERPRET=1 (use a small --tokens,
 e.g. 130) and times nothing.
@@ -51,22 +34,13 @@ from typing import Callable
 import torch
 import triton
 
-from sglang_nsa_cp.cli import comma_list, format_table
-from sglang_nsa_cp.kernels import copy_rows, formats, index_k_store, mla_fp8_owned_and_scratch, mla_fp8_store
-from sglang_nsa_cp.layout.split import plan_split
+from tables import comma_list, format_table
+from sglang_nsa_cp.kernels import formats, mla_fp8_owned_and_scratch
 
 MIB = 1 << 20
 PAGE = 64
-RERANGE_CP = 4
 DEV = torch.device("cuda")
-ROW_KINDS = {  # name: (dtype, elements per row)
-    "bf16-1152B": (torch.bfloat16, 576),
-    "fp8-656B": (torch.uint8, 656),
-    "index-132B": (torch.uint8, 132),
-}
-# Index K without its scale: how 132-byte rows move when key and scale travel as two tensors.
-KEY_ROWS = {"index-key-128B": (torch.uint8, 128)}
-GOALS = {"rerange": 0.85, "materialize": 0.90, "materialize-scatter": 0.90, "store": 0.90, "fp8-store-sglang": 0.90}
+GOALS = {"fp8-store-sglang": 0.90}
 GOAL_MIN_MIB = 64
 
 
@@ -119,237 +93,6 @@ def random_pages_slots(pages: int, tokens: int, owner_rank: int | None = None, c
         ids = ids[ids % cp_size == owner_rank]
     ids = ids[torch.randperm(ids.numel(), device=DEV)]
     return (ids[:, None] * PAGE + torch.arange(PAGE, device=DEV)).reshape(-1)[:tokens].contiguous()
-
-
-# ---- cases -----------------------------------------------------------------------------------
-def gather_case(use, rows_name, pattern, mib, src, index, out_rows) -> Case:
-    out = torch.empty((out_rows, src.shape[1]), dtype=src.dtype, device=DEV)
-
-    def check():
-        got = copy_rows.gather_rows_triton(src, index, poison(out))
-        return same_bytes(got, copy_rows.gather_rows_torch(src, index, poison(out.clone())))
-
-    torch_fns = {
-        f"index_select[{name}]": (lambda s=s, o=o: torch.index_select(s, 0, index, out=o))
-        for name, (s, o) in views(src, out).items()
-    }
-    moved = 2 * index.numel() * src.shape[1] * src.element_size()
-    return Case(
-        "gather_rows",
-        use,
-        rows_name,
-        pattern,
-        mib,
-        moved,
-        lambda: copy_rows.gather_rows_triton(src, index, out),
-        torch_fns,
-        check,
-    )
-
-
-def scatter_case(use, rows_name, pattern, mib, src, index, dst_rows) -> Case:
-    dst = torch.empty((dst_rows, src.shape[1]), dtype=src.dtype, device=DEV)
-
-    def check():
-        got = copy_rows.scatter_rows_triton(poison(dst), index, src)
-        return same_bytes(got, copy_rows.scatter_rows_torch(poison(dst.clone()), index, src))
-
-    torch_fns = {
-        f"index_copy_[{name}]": (lambda d=d, s=s: d.index_copy_(0, index, s))
-        for name, (d, s) in views(dst, src).items()
-    }
-    moved = 2 * src.numel() * src.element_size()
-    return Case(
-        "scatter_rows",
-        use,
-        rows_name,
-        pattern,
-        mib,
-        moved,
-        lambda: copy_rows.scatter_rows_triton(dst, index, src),
-        torch_fns,
-        check,
-    )
-
-
-def rerange_cases(mib: int) -> list[Case]:
-    cases = []
-    for rows_name, (dtype, width) in {**ROW_KINDS, **KEY_ROWS}.items():
-        tokens = mib * MIB // (width * torch.empty((), dtype=dtype).element_size())
-        for mode in ("zigzag", "interleave"):
-            reqs = 4 if mode == "zigzag" else 1
-            lens = [tokens // reqs] * reqs
-            plan = plan_split(lens, [0] * reqs, RERANGE_CP, mode, PAGE)
-            gathered = random_rows(RERANGE_CP * plan.max_count, dtype, width)
-            index = plan.rerange_index.to(DEV)
-            cases.append(
-                gather_case("rerange", rows_name, f"{mode} cp{RERANGE_CP}", mib, gathered, index, index.numel())
-            )
-    return cases
-
-
-def materialize_cases(mib: int) -> list[Case]:
-    cases = []
-    for rows_name, (dtype, width) in ROW_KINDS.items():
-        page_name = f"page {rows_name.split('-')[0]} {PAGE}x{rows_name.split('-')[1]}"
-        page_bytes = PAGE * width * torch.empty((), dtype=dtype).element_size()
-        pages = mib * MIB // page_bytes
-        gathered = random_rows(pages, dtype, PAGE * width)
-        perm = torch.randperm(pages, device=DEV)
-        cases.append(gather_case("materialize", page_name, "page permutation", mib, gathered, perm, pages))
-        cases.append(scatter_case("materialize-scatter", page_name, "page permutation", mib, gathered, perm, pages))
-    for rows_name, (dtype, width) in {**ROW_KINDS, **KEY_ROWS}.items():
-        tokens = mib * MIB // (width * torch.empty((), dtype=dtype).element_size())
-        current = random_rows(tokens, dtype, width)
-        pages = -(-tokens // PAGE)
-        dense_rows = random_pages_slots(pages, tokens)
-        cases.append(
-            scatter_case(
-                "materialize-scatter", rows_name, "tokens to random pages", mib, current, dense_rows, pages * PAGE
-            )
-        )
-    return cases
-
-
-def store_slots(pattern: str, tokens: int, cp_size: int) -> tuple[torch.Tensor, int]:
-    """Slots of the rows rank 0 stores, and the number of shard rows."""
-    if pattern == "gathered":
-        pages = -(-tokens // PAGE)
-        pages += -pages % cp_size
-        return random_pages_slots(pages, tokens), pages // cp_size * PAGE
-    pages = -(-tokens // PAGE) * cp_size
-    return random_pages_slots(pages, tokens, 0, cp_size), pages // cp_size * PAGE
-
-
-def owned_count(slots: torch.Tensor, cp_size: int) -> int:
-    return int((formats.owned_physical_rows(slots, 0, cp_size, PAGE) >= 0).sum())
-
-
-def compact(slots: torch.Tensor, cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions and shard rows of rank 0's owned slots (plain torch, with a host sync)."""
-    rows = formats.owned_physical_rows(slots, 0, cp_size, PAGE)
-    pos = (rows >= 0).nonzero().squeeze(1)
-    return pos, rows[pos]
-
-
-def store_rows_case(mib: int, pattern: str, n: int, rows_name: str) -> Case:
-    dtype, width = ROW_KINDS[rows_name]
-    row_bytes = width * torch.empty((), dtype=dtype).element_size()
-    slots, shard_rows = store_slots(pattern, mib * MIB // row_bytes, n)
-    rows = random_rows(slots.numel(), dtype, width)
-    shard = torch.empty((shard_rows, width), dtype=dtype, device=DEV)
-
-    def check():
-        got = copy_rows.store_owned_rows_triton(poison(shard), slots, rows, 0, n, PAGE)
-        return same_bytes(got, copy_rows.store_owned_rows_torch(poison(shard.clone()), slots, rows, 0, n, PAGE))
-
-    def compact_copy():
-        pos, dst = compact(slots, n)
-        word_view(shard).index_copy_(0, dst, word_view(rows).index_select(0, pos))
-
-    torch_fns = {
-        "reference": lambda: copy_rows.store_owned_rows_torch(shard, slots, rows, 0, n, PAGE),
-        "compact+index_copy_[words]": compact_copy,
-    }
-    moved = 2 * owned_count(slots, n) * row_bytes
-    return Case(
-        "store_owned_rows",
-        "store",
-        rows_name,
-        f"{pattern} cp{n}",
-        mib,
-        moved,
-        lambda: copy_rows.store_owned_rows_triton(shard, slots, rows, 0, n, PAGE),
-        torch_fns,
-        check,
-    )
-
-
-def store_fp8_case(mib: int, pattern: str, n: int, impl: str) -> Case:
-    """Quantize + store: bf16 latent rows in, 656-byte fp8 rows out, by the Triton or the CUDA
-    kernel (impl "triton" or "cuda")."""
-    store = mla_fp8_store.store_owned_mla_fp8_triton if impl == "triton" else mla_fp8_store.store_owned_mla_fp8_cuda
-    slots, shard_rows = store_slots(pattern, mib * MIB // 1152, n)
-    tokens = slots.numel()
-    kv = (torch.randn(tokens, 576, device=DEV) * torch.exp(torch.randn(tokens, 1, device=DEV))).to(torch.bfloat16)
-    shard = torch.empty((shard_rows, formats.MLA_FP8_ROW_BYTES), dtype=torch.uint8, device=DEV)
-
-    def check():
-        got = store(poison(shard), slots, kv, 0, n, PAGE)
-        return same_bytes(got, mla_fp8_store.store_owned_mla_fp8_torch(poison(shard.clone()), slots, kv, 0, n, PAGE))
-
-    def compact_quantize():
-        pos, dst = compact(slots, n)
-        shard.index_copy_(0, dst, formats.quantize_mla_fp8(kv.index_select(0, pos)))
-
-    torch_fns = {
-        "reference": lambda: mla_fp8_store.store_owned_mla_fp8_torch(shard, slots, kv, 0, n, PAGE),
-        "compact+quantize+index_copy_": compact_quantize,
-    }
-    moved = owned_count(slots, n) * (1152 + formats.MLA_FP8_ROW_BYTES)
-    return Case(
-        "store_owned_mla_fp8" if impl == "triton" else "store_owned_mla_fp8[cuda]",
-        "store",
-        "bf16 -> fp8-656B",
-        f"{pattern} cp{n}",
-        mib,
-        moved,
-        lambda: store(shard, slots, kv, 0, n, PAGE),
-        torch_fns,
-        check,
-    )
-
-
-def store_index_case(mib: int, pattern: str, n: int) -> Case:
-    """Index K + scale into SGLang's index-K pages."""
-    slots, shard_rows = store_slots(pattern, mib * MIB // formats.INDEX_ROW_BYTES, n)
-    tokens = slots.numel()
-    key = random_rows(tokens, torch.uint8, formats.INDEX_HEAD_DIM)
-    scale = torch.rand(tokens, device=DEV)
-    pages = torch.empty((shard_rows // PAGE, PAGE * formats.INDEX_ROW_BYTES), dtype=torch.uint8, device=DEV)
-    # The key and scale regions of every page, as strided views for advanced indexing.
-    keys = pages.as_strided((pages.shape[0], PAGE, formats.INDEX_HEAD_DIM), (pages.shape[1], formats.INDEX_HEAD_DIM, 1))
-    scales = pages.view(torch.float32).as_strided(
-        (pages.shape[0], PAGE), (pages.shape[1] // 4, 1), PAGE * formats.INDEX_HEAD_DIM // 4
-    )
-
-    def check():
-        got = index_k_store.store_owned_index_k_triton(poison(pages), slots, key, scale, 0, n, PAGE)
-        return same_bytes(
-            got, index_k_store.store_owned_index_k_torch(poison(pages.clone()), slots, key, scale, 0, n, PAGE)
-        )
-
-    def compact_put():
-        pos, dst = compact(slots, n)
-        keys[dst // PAGE, dst % PAGE] = key.index_select(0, pos)
-        scales[dst // PAGE, dst % PAGE] = scale.index_select(0, pos)
-
-    torch_fns = {
-        "reference": lambda: index_k_store.store_owned_index_k_torch(pages, slots, key, scale, 0, n, PAGE),
-        "compact+index_put_": compact_put,
-    }
-    moved = 2 * owned_count(slots, n) * formats.INDEX_ROW_BYTES
-    return Case(
-        "store_owned_index_k",
-        "store",
-        "index 128B+scale",
-        f"{pattern} cp{n}",
-        mib,
-        moved,
-        lambda: index_k_store.store_owned_index_k_triton(pages, slots, key, scale, 0, n, PAGE),
-        torch_fns,
-        check,
-    )
-
-
-def store_cases(mib: int) -> list[Case]:
-    cases = []
-    for pattern in ("local", "gathered"):
-        for n in (2, 4, 8):
-            cases += [store_rows_case(mib, pattern, n, rows_name) for rows_name in ("bf16-1152B", "fp8-656B")]
-            cases += [store_fp8_case(mib, pattern, n, impl) for impl in ("triton", "cuda")]
-            cases.append(store_index_case(mib, pattern, n))
-    return cases
 
 
 def fp8_store_sglang_case(tokens: int, n: int) -> Case:
@@ -498,54 +241,9 @@ def measure(case: Case, timer: Timer) -> dict:
     )
 
 
-# ---- launch-shape sweep ----------------------------------------------------------------------
-def _is_narrow(c: Case) -> bool:
-    return c.rows == "index-132B"  # 4-byte aligned rows: no 16-byte vectors
-
-
-def _in_copy_sweep(c: Case) -> bool:
-    """Each vectorized row width once (every shape compiles anew): zigzag reranges, page
-    gathers and token scatters."""
-    if _is_narrow(c):
-        return False
-    if c.use == "rerange":
-        return c.pattern.startswith("zigzag")
-    if c.use == "materialize-scatter":
-        return not c.rows.startswith("page")
-    return c.use == "materialize"
-
-
 # family: (launch-shape names in the op's module, candidate values, which cases to time)
-SWEEP_MODULES = {
-    "copy": copy_rows,
-    "store": copy_rows,
-    "narrow": copy_rows,
-    "fp8": mla_fp8_store,
-    "index": index_k_store,
-    "fp8_sglang": mla_fp8_owned_and_scratch,
-}
+SWEEP_MODULES = {"fp8_sglang": mla_fp8_owned_and_scratch}
 SWEEPS = {
-    "copy": (("COPY_BYTES_PER_PROGRAM", "COPY_NUM_WARPS"), [(2048, 4), (4096, 4), (8192, 4)], _in_copy_sweep),
-    "store": (
-        ("STORE_BYTES_PER_PROGRAM",),
-        [(4096,), (8192,), (16384,)],
-        lambda c: c.kernel == "store_owned_rows" and c.pattern in ("local cp4", "gathered cp4", "gathered cp8"),
-    ),
-    "narrow": (
-        ("COPY_VECTORS_PER_THREAD",),
-        [(2,), (4,)],
-        lambda c: _is_narrow(c) and c.pattern.startswith(("zigzag", "tokens")),
-    ),
-    "fp8": (
-        ("FP8_ROWS_PER_PROGRAM", "FP8_NUM_WARPS"),
-        [(4, 2), (4, 4), (8, 4)],
-        lambda c: c.kernel == "store_owned_mla_fp8" and c.pattern.endswith("cp4"),
-    ),
-    "index": (
-        ("INDEX_ROWS_PER_PROGRAM", "INDEX_NUM_WARPS"),
-        [(32, 4), (64, 4)],
-        lambda c: c.kernel == "store_owned_index_k" and c.pattern.endswith("cp4"),
-    ),
     "fp8_sglang": (
         ("FP8_ROWS_PER_PROGRAM", "FP8_NUM_WARPS"),
         [(4, 2), (4, 4), (8, 4), (16, 8)],
@@ -697,10 +395,7 @@ def plot(results: list[dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=110, bbox_inches="tight")
 
 
-GROUPS = {  # --only: name -> the cases of one input size (MiB; tokens for fp8_store_sglang)
-    "rerange": rerange_cases,
-    "materialize": materialize_cases,
-    "store": store_cases,
+GROUPS = {  # --only: name -> the cases of one chunk size (tokens)
     "fp8_store_sglang": fp8_store_sglang_cases,
 }
 

@@ -49,10 +49,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "test"))
 
 from helpers import sglang_gpu_harness as G  # noqa: E402
-from bench_prefill import save_results  # noqa: E402
-
-from sglang_nsa_cp.cli import comma_list, format_table, int_pair, save_plot  # noqa: E402
-from sglang_nsa_cp.comm import run_ranks  # noqa: E402
+from helpers.distributed import run_ranks  # noqa: E402
+from tables import comma_list, format_table, int_pair, save_plot, save_results  # noqa: E402
 
 PATHS = tuple(G.POOLS)  # replicated, shared, sglang_pool
 MIB = 1 << 20

@@ -51,7 +51,7 @@ from array import array
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 
-from sglang_nsa_cp.cli import format_table, parse_comma_list, save_plot  # noqa: E402
+from tables import format_table, parse_comma_list, save_plot  # noqa: E402
 
 DEFAULT_TRACE = os.path.join(ROOT, "benchmark", "data", "mooncake_conversation_trace.jsonl.gz")
 MEASUREMENTS = {

@@ -140,7 +140,7 @@ def report(off, ranks, layers):
 
 
 def main():
-    from sglang_nsa_cp.comm import run_ranks
+    from helpers.distributed import run_ranks
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cp", type=int, default=4)

@@ -4,7 +4,7 @@
 #                                                 the CPU suite through scripts/run_suite.py: every
 #                                                 registered test/**/test_*.py of suite nsa-cp-test-cpu,
 #                                                 after checking that every test file is registered
-#   bash scripts/test.sh test/layout/test_split.py -k x   exactly what it is given, as pytest arguments
+#   bash scripts/test.sh test/comm/test_tail.py -k x   exactly what it is given, as pytest arguments
 # A partition of the suite, or a GPU suite: .venv/bin/python scripts/run_suite.py --help
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -32,13 +32,13 @@ def test_every_variable_named_anywhere_is_registered():
 
 
 def test_typed_reads_and_overrides(monkeypatch):
-    with envs.SGLANG_NSA_CP_DEBUG.override(True):
-        assert envs.SGLANG_NSA_CP_DEBUG.get() is True
-    monkeypatch.delenv("SGLANG_NSA_CP_DEBUG", raising=False)
-    assert envs.SGLANG_NSA_CP_DEBUG.get() is False
-    monkeypatch.setenv("SGLANG_NSA_CP_DEBUG", "maybe")
-    with pytest.raises(ValueError, match="SGLANG_NSA_CP_DEBUG='maybe' is not a boolean"):
-        envs.SGLANG_NSA_CP_DEBUG.get()
+    with envs.SGLANG_NSA_CP_SHARED_KV.override(True):
+        assert envs.SGLANG_NSA_CP_SHARED_KV.get() is True
+    monkeypatch.delenv("SGLANG_NSA_CP_SHARED_KV", raising=False)
+    assert envs.SGLANG_NSA_CP_SHARED_KV.get() is False
+    monkeypatch.setenv("SGLANG_NSA_CP_SHARED_KV", "maybe")
+    with pytest.raises(ValueError, match="SGLANG_NSA_CP_SHARED_KV='maybe' is not a boolean"):
+        envs.SGLANG_NSA_CP_SHARED_KV.get()
     with envs.SGLANG_NSA_CP_KERNELS.override("Torch"):
         assert envs.SGLANG_NSA_CP_KERNELS.get() == "torch"
     with envs.SGLANG_NSA_CP_KERNELS.override("cuda"), pytest.raises(ValueError, match="expected one of"):

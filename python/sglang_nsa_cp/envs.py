@@ -6,7 +6,7 @@ forgotten `.get()` cannot pass for "set". Tests change one with `.override(value
 README.md's table of variables is `python -m sglang_nsa_cp.envs` (test/test_envs.py keeps them
 equal).
 
-    envs.SGLANG_NSA_CP_DEBUG.get()                    # False unless set to 1/true/yes/y
+    envs.SGLANG_NSA_CP_SHARED_KV.get()                # False unless set to 1/true/yes/y
     with envs.SGLANG_NSA_CP_KERNELS.override("torch"):
         ...
 """
@@ -155,20 +155,14 @@ class NsaCpEnvs:
         "SGLANG_NSA_CP_KERNELS",
         "auto",
         ("auto", "triton", "torch"),
-        "Kernel implementation: `auto` picks CUDA/Triton for CUDA tensors and the torch reference "
+        "Kernel implementation: `auto` picks Triton for CUDA tensors and the torch reference "
         "otherwise; `triton` always Triton (failures raise); `torch` always the reference.",
-    )
-    SGLANG_NSA_CP_DEBUG = EnvBool(
-        "SGLANG_NSA_CP_DEBUG",
-        False,
-        "Ownership and coverage checks, read once per batch; they synchronise the device and "
-        "issue extra collectives: for diagnosis, never for measurements.",
     )
     SGLANG_NSA_CP_PD_SECRET = EnvSecret(
         "SGLANG_NSA_CP_PD_SECRET",
         None,
         "Key of the PD messages (HMAC-SHA256), at least 16 bytes, the same on the decode and every "
-        "prefill rank; unset: nothing is keyed (the demo makes a random one for its own processes).",
+        "prefill rank; unset: nothing is keyed.",
     )
     SGLANG_NSA_CP_TEST_SEED = EnvInt(
         "SGLANG_NSA_CP_TEST_SEED",

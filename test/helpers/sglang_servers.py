@@ -2,7 +2,7 @@
 oracles, a decode, SGLang's router; HTTP clients for them.
 
 Used by test_sglang_server_pd.py, test_sglang_server_hicache.py and test_sglang_server_fp8.py, and by
-`scripts/sglang_pd_cpu.sh` (run this file) to do the same by hand. What runs, what is replaced and
+the demo (`scripts/demo.sh`, test/helpers/demo.py). What runs, what is replaced and
 why: docs/sglang_cpu_server.md.
 
 Every server is `python -m sglang.launch_server` in its own process group (launcher, scheduler
@@ -492,62 +492,3 @@ def prompt_ids(length: int, seed: int) -> list[int]:
     """Token ids 2..vocab-1 (no bos / eos), reproducible."""
     g = random.Random(seed)
     return [g.randrange(2, MODEL["vocab_size"]) for _ in range(length)]
-
-
-# ---- by hand ---------------------------------------------------------------------------------------
-
-
-def main() -> None:
-    """Start the servers, send a few requests to each path, print the tokens, stop everything."""
-    import argparse
-    import tempfile
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workdir", default=None, help="model, logs (default: a temporary folder)")
-    parser.add_argument("--keep", action="store_true", help="keep the servers running until Ctrl-C")
-    args = parser.parse_args()
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="sglang_pd_cpu_"))
-    cluster = Cluster(workdir)
-    t0 = time.monotonic()
-    try:
-        cluster.start()
-        print(f"servers up in {time.monotonic() - t0:.0f} s; logs in {workdir / 'logs'}")
-        for name, server in cluster.servers.items():
-            print(
-                f"  {name:10s} {server.url}"
-                + (f" (bootstrap {server.bootstrap_port})" if server.bootstrap_port else "")
-            )
-        print(f"  router     {cluster.router_url} -> shared + decode")
-        shared, replicated = cluster.servers["shared"].info(), cluster.servers["replicated"].info()
-        print(
-            f"max_total_num_tokens: shared {shared['max_total_num_tokens']}, replicated {replicated['max_total_num_tokens']}"
-        )
-        for length in (5, 70, 200):
-            ids = prompt_ids(length, seed=length)
-            t = time.monotonic()
-            via_router = generate(cluster.router_url, ids, 8)["output_ids"]
-            _, rep = generate_pd(cluster.servers["replicated"], cluster.servers["decode"], ids, 8)
-            single = generate(cluster.servers["single"].url, ids, 8)["output_ids"]
-            same = via_router == rep["output_ids"] == single
-            print(
-                f"prompt {length:3d} tokens: shared-KV PD {via_router}  replicated PD {rep['output_ids']}  "
-                f"single {single}  {'same' if same else 'DIFFERENT'}  ({time.monotonic() - t:.1f} s)"
-            )
-        text = complete(cluster.router_url, "Hello, shared KV!", 8)["choices"][0]["text"]
-        print(f"/v1/completions via the router: {text!r}")
-        if args.keep:
-            print(
-                f'curl {cluster.router_url}/generate -H \'content-type: application/json\' -d \'{{"text": "Hello", "sampling_params": '
-                f'{{"temperature": 0, "max_new_tokens": 8}}}}\'   (Ctrl-C stops the servers)'
-            )
-            while True:
-                time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        leftovers = cluster.stop()
-        print("stopped" + (f"; LEFT OVER: {leftovers}" if leftovers else ": no process or port left"))
-
-
-if __name__ == "__main__":
-    main()

@@ -150,11 +150,11 @@ def test_bad_arguments_are_refused(argv, message, capsys):
 def test_arguments_after_double_dash_go_to_pytest():
     args = RS.parse_args(["--per-file", "--", "-k", "zigzag", "-x"])
     assert args.per_file and args.pytest_args == ["-k", "zigzag", "-x"]
-    assert RS.pytest_command(["test/layout/test_split.py"], args.pytest_args)[-4:] == [
+    assert RS.pytest_command(["test/comm/test_tail.py"], args.pytest_args)[-4:] == [
         "-k",
         "zigzag",
         "-x",
-        "test/layout/test_split.py",
+        "test/comm/test_tail.py",
     ]
 
 

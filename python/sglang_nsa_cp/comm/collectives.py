@@ -1,26 +1,21 @@
-"""CP collectives over a torch.distributed group: the same code on gloo (CPU) and NCCL (GPU).
+"""The narrow tail gather over a torch.distributed group: the same code on gloo (CPU) and NCCL (GPU).
 
-- `all_gather_rows`: equal-size all-gather of each rank's rows, padded to a common count. It
-  carries owned KV pages for materialize (the original design's shared-KV all-gather).
-- `all_gather_rerange`: all-gather of each rank's tokens, back in flat-batch (logical) order
-  (the original design's `cp_all_gather_rerange_output`).
+- `all_gather_rows`: equal-size all-gather of each rank's rows, padded to a common count.
 - `gather_last_token_hidden`: the narrow tail gather (the original `cp_collect_last_token_hidden`):
-  N x bs x hidden elements instead of total_tokens x hidden.
+  N x bs x hidden elements instead of total_tokens x hidden, placed by a `tail.TailPlan`.
 
 Every call adds the bytes it gathers (the full gathered result, i.e. N times one rank's
-contribution) to an optional `TrafficCounter` under a kind name, so tests and benchmarks can
-state traffic exactly. float8 tensors travel as uint8 views (gloo has no float8).
+contribution) to an optional `TrafficCounter` under a kind name, so tests can state traffic
+exactly. float8 tensors travel as uint8 views (gloo has no float8).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable
-
 import torch
 import torch.distributed as dist
 
-from sglang_nsa_cp.layout.split import SplitPlan
+from sglang_nsa_cp.comm.tail import TailPlan
 
 
 def _all_gather_single(*args, **kwargs):
@@ -85,39 +80,9 @@ def all_gather_rows(
     return _launch_all_gather(local, rows_per_rank, group, counter, kind, out, async_op=False)[0]
 
 
-def start_all_gather_rerange(
-    local: torch.Tensor,
-    plan: SplitPlan,
-    group: dist.ProcessGroup,
-    counter: TrafficCounter | None = None,
-    kind: str = "current",
-) -> Callable[[], torch.Tensor]:
-    """Launch the all-gather of every rank's local tokens; the returned call waits for it and
-    gives them in flat-batch order [num_tokens, ...]. Work issued in between overlaps it."""
-    gathered, work = _launch_all_gather(local, plan.max_count, group, counter, kind, None, async_op=True)
-    index = plan.device_tensor("rerange_index", local.device)
-
-    def finish() -> torch.Tensor:
-        work.wait()
-        return gathered.index_select(0, index)
-
-    return finish
-
-
-def all_gather_rerange(
-    local: torch.Tensor,
-    plan: SplitPlan,
-    group: dist.ProcessGroup,
-    counter: TrafficCounter | None = None,
-    kind: str = "current",
-) -> torch.Tensor:
-    """All-gather every rank's local tokens and return them in flat-batch order [num_tokens, ...]."""
-    return start_all_gather_rerange(local, plan, group, counter, kind)()
-
-
 def gather_last_token_hidden(
     local_hidden: torch.Tensor,
-    plan: SplitPlan,
+    plan: TailPlan,
     rank: int,
     group: dist.ProcessGroup,
     counter: TrafficCounter | None = None,
@@ -134,13 +99,3 @@ def gather_last_token_hidden(
     narrow = local_hidden.index_select(0, rows)
     gathered = all_gather_rows(narrow, plan.batch_size, group, counter, "tail_narrow")
     return gathered.index_select(0, plan.device_tensor("last_token_gather_index", device))
-
-
-def gather_full_hidden(
-    local_hidden: torch.Tensor,
-    plan: SplitPlan,
-    group: dist.ProcessGroup,
-    counter: TrafficCounter | None = None,
-) -> torch.Tensor:
-    """Every token's hidden state in flat-batch order: today's tail gather, for input logprobs."""
-    return all_gather_rerange(local_hidden, plan, group, counter, "tail_full")

@@ -1,18 +1,12 @@
 """The shared secret of a PD deployment and the keyed MACs built on it (HMAC-SHA256).
 
-Both PD paths read one secret from the environment, `SGLANG_NSA_CP_PD_SECRET` (declared in `envs.py`, read
-here only; the SGLang plugin imports `pd_secret` from this module):
-
-    standalone transport (pd/protocol.py)       SGLang plugin (sglang_ext/disaggregation/)
-    hello {client nonce}             ->          the manifest frame of every Success status
-                        <- challenge {server nonce}    carries HMAC(secret, room | prefill rank |
-    auth  {layout}, MACed with K     ->                manifest); a decode with the secret
-                        <- welcome {pointers}, MACed   commits only rooms whose every Success
-    every later message MACed with K, both ways        carries a valid one
-    K = HMAC(secret, "session" | client nonce | server nonce | rank | cp_size)
+The SGLang plugin (sglang_ext/disaggregation/) reads one secret from the environment,
+`SGLANG_NSA_CP_PD_SECRET` (declared in `envs.py`, read here only, through `pd_secret`): the
+manifest frame of every Success status carries HMAC(secret, room | prefill rank | manifest), and a
+decode with the secret commits only rooms whose every Success carries a valid one.
 
 Without a secret nothing is keyed (the MAC frame is empty) and each process warns once. A secret
-on one side only fails the handshake with a message naming the variable.
+on one side only fails the request with a message naming the variable.
 """
 
 from __future__ import annotations
@@ -49,16 +43,6 @@ def pd_secret(secret=FROM_ENV) -> bytes | None:
             SGLANG_NSA_CP_PD_SECRET.name,
         )
     return secret
-
-
-def session_key(
-    secret: bytes | None, client_nonce: bytes, server_nonce: bytes, rank: int, cp_size: int
-) -> bytes | None:
-    """K of one connection; None when keying is off."""
-    if secret is None:
-        return None
-    info = b"nsa-cp-pd session|" + client_nonce + server_nonce + f"|{rank}|{cp_size}".encode()
-    return hmac.new(secret, info, hashlib.sha256).digest()
 
 
 def sign(key: bytes | None, label: bytes, body: bytes) -> bytes:

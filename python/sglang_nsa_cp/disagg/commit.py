@@ -1,13 +1,10 @@
 """The decode side's commit rule, as pure functions of the ranks' claims (no I/O, no threads).
 
-Both PD paths apply it to `manifest.PageClaims`: the standalone receiver (`sglang_nsa_cp.pd`) to
-each rank's manifest message, the SGLang plugin's decode to each buffer kind of each rank's
-manifest frame. A request of n pages from a CP group of N ranks commits only when:
+The SGLang plugin's decode applies it to `manifest.PageClaims`, one per buffer kind of each
+rank's manifest frame. A request of n pages from a CP group of N ranks commits only when:
   1. all N ranks sent their claims (empty ones if they own none of its pages),
   2. every position 0..n-1 is claimed exactly once, and no claim is out of range,
-  3. each claim comes from its owner: logical_page % N == the claiming rank,
-  4. the checksum recomputed over the decode page at that position equals the claimed one
-     (the standalone path; SGLang's transfer carries no checksums).
+  3. each claim comes from its owner: logical_page % N == the claiming rank.
 
 Example, N = 2, n = 4: rank 0 claims {0, 2}, rank 1 claims {1, 2}:
     missing = [3], duplicated = [2] (ranks 0, 1): the request fails and its pages are freed.
@@ -31,20 +28,12 @@ class CoverageReport:
     duplicated: tuple[int, ...] = ()
     wrong_owner: tuple[int, ...] = ()
     out_of_range: tuple[int, ...] = ()
-    corrupt: tuple[int, ...] = ()
     silent_ranks: tuple[int, ...] = ()
     claimants: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False)
 
     @property
     def ok(self) -> bool:
-        return not (
-            self.missing
-            or self.duplicated
-            or self.wrong_owner
-            or self.out_of_range
-            or self.corrupt
-            or self.silent_ranks
-        )
+        return not (self.missing or self.duplicated or self.wrong_owner or self.out_of_range or self.silent_ranks)
 
     def describe(self) -> str:
         parts = []
@@ -59,8 +48,6 @@ class CoverageReport:
             parts.append(f"positions from the wrong owner {_show(self.wrong_owner)}")
         if self.out_of_range:
             parts.append(f"out-of-range positions {_show(self.out_of_range)}")
-        if self.corrupt:
-            parts.append(f"corrupt positions (checksum mismatch) {_show(self.corrupt)}")
         return "; ".join(parts) or "ok"
 
 
@@ -90,16 +77,3 @@ def check_coverage(num_pages: int, cp_size: int, claims: Mapping[int, PageClaims
         silent_ranks=tuple(r for r in range(cp_size) if r not in claims),
         claimants={k: tuple(ranks) for k, ranks in claimants.items()},
     )
-
-
-def find_corrupt(claims: Mapping[int, PageClaims], landed: Sequence[int]) -> tuple[int, ...]:
-    """Rule 4: positions whose claimed checksum differs from `landed[position]`.
-
-    landed: checksum.page_checksums over the decode pages, indexed by request position.
-    """
-    corrupt = set()
-    for claim in claims.values():
-        for position, checksum in zip(claim.positions, claim.checksums):
-            if 0 <= position < len(landed) and landed[position] != checksum:
-                corrupt.add(position)
-    return tuple(sorted(corrupt))

@@ -5,10 +5,9 @@ N = 2, a request of 6 pages whose logical page ids are 10..15::
     rank 0: PageClaims(rank=0, cp_size=2, num_pages=6, positions=(0, 2, 4), logical_pages=(10, 12, 14))
     rank 1: PageClaims(rank=1, cp_size=2, num_pages=6, positions=(1, 3, 5), logical_pages=(11, 13, 15))
 
-The standalone transport (`sglang_nsa_cp.pd`) sends one inside its `manifest` message, with a
-checksum per page; the SGLang plugin (`sglang_ext/disaggregation/`) sends one per buffer kind
-(KV latent, index-K) in the manifest frame of a Success status message, without checksums (the
-pages ride SGLang's own transfer). Both decode sides judge them with `commit.check_coverage`.
+The SGLang plugin (`sglang_ext/disaggregation/`) sends one per buffer kind (KV latent, index-K)
+in the manifest frame of a Success status message, without checksums (the pages ride SGLang's own
+transfer); the decode judges them with `commit.check_coverage`.
 
 Every field type is bounded: msgspec refuses a decoded value past its bound (a 2e7-rank CP group,
 a list of 2**30 positions) before any code iterates it.
@@ -36,8 +35,8 @@ class PageClaims(Struct, frozen=True, forbid_unknown_fields=True):
     """The pages one CP rank sent of one request (of one buffer kind), in position order.
 
     positions[i] is a request page position, logical_pages[i] the prefill's logical page id there
-    (so the decode can check owner == logical_pages[i] % cp_size == rank), checksums[i] (when
-    present) `checksum.page_checksums` of that page over every layer and buffer.
+    (so the decode can check owner == logical_pages[i] % cp_size == rank), checksums[i] a per-page
+    checksum where a transport carries one (the plugin's does not: `shape_problem(False)`).
     """
 
     rank: Rank

@@ -1,17 +1,14 @@
-"""Kernels of the shared-KV path, and the one place that picks their implementation.
+"""The plugin's kernel, and the one place that picks its implementation.
 
-Each op lives in one module with its Triton kernel and launcher (`<op>_triton`), its torch
+The op lives in one module with its Triton kernel and launcher (`<op>_triton`), its torch
 reference (`<op>_torch`, the semantics) and the named input checks both run:
-`copy_rows.py` (gather_rows, scatter_rows, store_owned_rows), `mla_fp8_store.py`
-(store_owned_mla_fp8, plus a CUDA kernel, `<op>_cuda`, built on first use),
-`mla_fp8_owned_and_scratch.py` (store_mla_fp8_owned_and_scratch, SGLang's fp8 rounding) and
-`index_k_store.py` (store_owned_index_k). Row formats and their constants: `formats.py`.
+`mla_fp8_owned_and_scratch.py` (store_mla_fp8_owned_and_scratch, SGLang's fp8 rounding), called
+by the plugin's page-interleaved DSA pool. Row format and ownership: `formats.py`.
 
 Dispatch rule, from the tensors' device and `SGLANG_NSA_CP_KERNELS` (read on first use):
-- `auto` (default): for CUDA tensors the CUDA kernel where an op has one and it builds (else,
-  with one warning, Triton), Triton for the other ops; the reference for CPU tensors, even under
+- `auto` (default): Triton for CUDA tensors; the reference for CPU tensors, even under
   TRITON_INTERPRET=1 (the interpreter is far too slow for real work; tests call the `_triton`
-  launchers directly). It falls back to the reference only for named reasons, warning once per
+  launcher directly). It falls back to the reference only for named reasons, warning once per
   op: Triton does not import; the input's layout is one the kernel cannot take (strided or
   misaligned rows: `KernelUnsupported`, that call only); the Triton kernel does not compile for
   this device (`TritonError`, from then on). Every other error, a CUDA illegal address
@@ -30,41 +27,19 @@ from types import ModuleType
 import torch
 
 from sglang_nsa_cp.envs import envs
-from sglang_nsa_cp.kernels import copy_rows, index_k_store, mla_fp8_owned_and_scratch, mla_fp8_store
+from sglang_nsa_cp.kernels import mla_fp8_owned_and_scratch
 from sglang_nsa_cp.kernels.checks import KernelUnsupported
-from sglang_nsa_cp.kernels.formats import dequantize_mla_fp8, owned_physical_rows, quantize_mla_fp8, read_index_k
+from sglang_nsa_cp.kernels.formats import owned_physical_rows
 from sglang_nsa_cp.kernels.triton_common import TRITON_IMPORT_ERROR, NoTriton, TritonError
 
-__all__ = [
-    "gather_rows",
-    "scatter_rows",
-    "store_owned_rows",
-    "store_owned_mla_fp8",
-    "store_mla_fp8_owned_and_scratch",
-    "store_owned_index_k",
-    "owned_physical_rows",
-    "quantize_mla_fp8",
-    "dequantize_mla_fp8",
-    "read_index_k",
-    "kernel_mode",
-    "implementation",
-]
+__all__ = ["store_mla_fp8_owned_and_scratch", "owned_physical_rows", "kernel_mode", "implementation"]
 
 KERNELS_ENV = envs.SGLANG_NSA_CP_KERNELS.name
 KERNEL_MODES = envs.SGLANG_NSA_CP_KERNELS.choices
 
-# op -> the module holding its `<op>_torch`, `<op>_triton` (and `<op>_cuda`, `build_cuda`)
-OP_MODULES: dict[str, ModuleType] = {
-    "gather_rows": copy_rows,
-    "scatter_rows": copy_rows,
-    "store_owned_rows": copy_rows,
-    "store_owned_mla_fp8": mla_fp8_store,
-    "store_mla_fp8_owned_and_scratch": mla_fp8_owned_and_scratch,
-    "store_owned_index_k": index_k_store,
-}
-_CUDA_OPS = ("store_owned_mla_fp8",)  # ops with a CUDA kernel
+# op -> the module holding its `<op>_torch` and `<op>_triton`
+OP_MODULES: dict[str, ModuleType] = {"store_mla_fp8_owned_and_scratch": mla_fp8_owned_and_scratch}
 _failed: set[str] = set()  # ops whose Triton kernel does not compile here (auto mode)
-_cuda_unbuildable: dict[str, str] = {}  # op -> why its CUDA kernel could not be built
 _warned_unsupported: set[str] = set()
 
 
@@ -74,31 +49,11 @@ def kernel_mode() -> str:
     return envs.SGLANG_NSA_CP_KERNELS.get()
 
 
-def _cuda_kernel_builds(op: str, device: torch.device) -> bool:
-    """Whether `op` has a CUDA kernel that builds for `device`; warns once when it does not."""
-    if op not in _CUDA_OPS or op in _cuda_unbuildable:
-        return False
-    try:
-        OP_MODULES[op].build_cuda(device)
-    except mla_fp8_store.CUDA_BUILD_ERRORS as exc:
-        _cuda_unbuildable[op] = f"{type(exc).__name__}: {exc}"
-        warnings.warn(
-            f"sglang_nsa_cp.kernels.{op}: its CUDA kernel could not be built ({_cuda_unbuildable[op]}); "
-            "using the Triton kernel (slower, same bytes). Install nvcc and ninja to build it.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-        return False
-    return True
-
-
 def implementation(op: str, device: torch.device) -> str:
-    """'cuda', 'triton' or 'torch': what a call of `op` on tensors of `device` runs now."""
+    """'triton' or 'torch': what a call of `op` on tensors of `device` runs now."""
     mode = kernel_mode()
     if mode == "torch" or (mode == "auto" and (device.type != "cuda" or op in _failed)):
         return "torch"
-    if mode == "auto" and _cuda_kernel_builds(op, device):
-        return "cuda"
     if TRITON_IMPORT_ERROR is not None:
         if mode == "triton":
             raise NoTriton(
@@ -130,47 +85,9 @@ def _run(op: str, device: torch.device, *args):
             _warned_unsupported.add(op)
             _fallback_warning(op, f"the {impl} kernel cannot take this input ({exc})", "for such inputs")
     except TritonError as exc:
-        if impl != "triton":
-            raise
         _failed.add(op)
         _fallback_warning(op, f"the Triton kernel failed ({type(exc).__name__}: {exc})", "from now on")
     return getattr(module, f"{op}_torch")(*args)
-
-
-def gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out[i] = src[index[i]] for every i with index[i] >= 0; other rows of `out` untouched.
-
-    src [S, W], out [N, W] of one dtype (rows are copied as bytes); index [N] int32/int64.
-    Materialize, packing owned pages for the all-gather, and rerange are all this.
-    """
-    return _run("gather_rows", out.device, src, index, out)
-
-
-def scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """dst[index[i]] = src[i] for every i with index[i] >= 0 (distinct indices).
-
-    dst [D, W], src [N, W] of one dtype; index [N] int32/int64.
-    """
-    return _run("scatter_rows", dst.device, dst, index, src)
-
-
-def store_owned_rows(
-    shard: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, rank: int, cp_size: int, page_size: int
-) -> torch.Tensor:
-    """Fused store: rows[i] to the shard row of logical slot slots[i] where `rank` owns it.
-
-    shard [R, W], rows [T, W] of one dtype; slots [T] int32/int64 (-1: none). Owner of a slot:
-    (slot // page_size) % cp_size; shard row: see `owned_physical_rows`.
-    """
-    return _run("store_owned_rows", shard.device, shard, slots, rows, rank, cp_size, page_size)
-
-
-def store_owned_mla_fp8(
-    shard: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, rank: int, cp_size: int, page_size: int
-) -> torch.Tensor:
-    """Fused quantize + store of owned bf16 latent rows kv [T, 576] into uint8 [R, 656]
-    FlashMLA fp8 rows (`quantize_mla_fp8`, bitwise in every implementation); slots [T]."""
-    return _run("store_owned_mla_fp8", shard.device, shard, slots, kv, rank, cp_size, page_size)
 
 
 def store_mla_fp8_owned_and_scratch(
@@ -208,18 +125,3 @@ def store_mla_fp8_owned_and_scratch(
         cp_size,
         page_size,
     )
-
-
-def store_owned_index_k(
-    pages: torch.Tensor,
-    slots: torch.Tensor,
-    key: torch.Tensor,
-    scale: torch.Tensor,
-    rank: int,
-    cp_size: int,
-    page_size: int,
-) -> torch.Tensor:
-    """Write owned fp8 index keys (uint8 [T, 128]) and scales ([T], stored as fp32) into
-    SGLang's index-K pages (uint8 [local_pages, page_size * 132]: page_size keys, then
-    page_size scales); slots [T]."""
-    return _run("store_owned_index_k", pages.device, pages, slots, key, scale, rank, cp_size, page_size)

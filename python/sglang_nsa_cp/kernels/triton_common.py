@@ -52,18 +52,3 @@ def owned_rows(slot, rank, CP_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr):
     page = slot // PAGE_SIZE
     owned = (slot >= 0) & (page % CP_SIZE == rank)
     return (page // CP_SIZE) * PAGE_SIZE + slot % PAGE_SIZE, owned
-
-
-@jit
-def program_owned_rows(
-    slots, n_rows, rank, CP_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, WIDE: tl.constexpr, ROWS: tl.constexpr
-):
-    """This program's ROWS rows of `slots`: (program id, rows, their shard rows, owned by `rank`),
-    in int64 when WIDE."""
-    pid = tl.program_id(0)
-    if WIDE:
-        pid = pid.to(tl.int64)
-    row = pid * ROWS + tl.arange(0, ROWS)
-    slot = tl.load(slots + row, mask=row < n_rows, other=-1)
-    dst, keep = owned_rows(slot, rank, CP_SIZE, PAGE_SIZE)
-    return pid, row, dst.to(row.dtype), keep

@@ -1,9 +1,11 @@
-"""What the command line tools share (the demo, benchmark/*.py): plain-text tables and
-comma-separated list arguments, saved plots."""
+"""What the benchmarks (benchmark/bench_*.py) share: plain-text tables, comma-separated list
+arguments, saved raw numbers and plots. Imported as `tables` (a benchmark's own folder is on sys.path)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shlex
 from typing import Any, Callable, Sequence
 
@@ -78,3 +80,14 @@ def save_plot(fig, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")
+
+
+def save_results(raw: dict, out_dir: str, name: str, plot=None) -> None:
+    """DIR/NAME.json with the raw numbers (and the machine line printed); DIR/NAME_timeline.png
+    from `plot(raw, path)` when given."""
+    print(json.dumps(raw["machine"]))
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(raw, f, indent=1)
+    if plot is not None:
+        plot(raw, os.path.join(out_dir, f"{name}_timeline.png"))
