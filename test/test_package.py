@@ -30,9 +30,6 @@ ALLOWED = {
     "sglang_nsa_cp.comm",  # the narrow tail gather
     "sglang_nsa_cp.comm.collectives",
     "sglang_nsa_cp.comm.tail",
-    # Temporary re-exports for files outside issue 30's change (see each module's docstring):
-    "sglang_nsa_cp.comm.launch",  # -> test/helpers/distributed.py
-    "sglang_nsa_cp.layout",  # -> comm.plan_tail
 }
 # Never imported by `import sglang_nsa_cp` or the ledger: the reference model and the standalone
 # transport are gone, and the heavy dependencies load only when SGLang loads the plugin.

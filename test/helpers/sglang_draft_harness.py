@@ -9,7 +9,7 @@ shards: GLM DSA, one NextN layer, EAGLE top-k 1) with its own pool on the target
 and allocator. Under KV sharding that pool is the one SGLang's configurator builds for the draft
 (`KVCacheConfigurator._build_mtp_kv_shard_pool`: a `PageInterleaveDSATokenToKVPool`, the
 plugin's subclass once loaded, with the target's spec and shard group and its per-rank size).
-Runs inside one rank process spawned by `sglang_nsa_cp.comm.run_ranks`.
+Runs inside one rank process spawned by `helpers.distributed.run_ranks`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Used by test_sglang_model_forward.py; see docs/sglang_cpu_forward.md for what is SGLang's own
 code and what is replaced (and why). The CPU stand-ins themselves live in sglang_cpu_stand_ins.py
 (shared with the real-server test's plugin). Every function here runs inside one rank process
-(spawned by `sglang_nsa_cp.comm.run_ranks`), after TRITON_INTERPRET=1 and SGLang's torch-fallback
+(spawned by `helpers.distributed.run_ranks`), after TRITON_INTERPRET=1 and SGLang's torch-fallback
 switches are set (`ENV`).
 """
 

@@ -113,6 +113,7 @@ def test_servers_start_with_the_plugin_and_report_n_times_the_capacity(cluster):
         assert pools and S.one_context_scratch() in pools[0], pools
     assert not S.scratch_logs(cluster.servers["replicated"], 0)
 
+
 def test_concurrent_requests_of_mixed_lengths_match_the_oracles(cluster):
     shared = cluster.servers["shared"]
     mark = _log_mark(shared)

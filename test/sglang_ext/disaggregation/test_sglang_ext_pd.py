@@ -64,7 +64,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
-from sglang_nsa_cp.comm.launch import free_port, run_ranks  # noqa: E402
+from helpers.distributed import free_port, run_ranks  # noqa: E402
 
 register_cpu_ci(est_time=120, suite="nsa-cp-test-cpu")
 

@@ -32,7 +32,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from sglang.test.ci.ci_register import register_cuda_ci  # noqa: E402
 
-from sglang_nsa_cp.comm import run_ranks  # noqa: E402
+from helpers.distributed import run_ranks  # noqa: E402
 
 register_cuda_ci(est_time=270, suite="nsa-cp-test-1-gpu-h200")
 

@@ -36,7 +36,7 @@ from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from helpers import sglang_hicache_harness as HC  # noqa: E402
 from helpers import sglang_model_harness as H  # noqa: E402
-from sglang_nsa_cp.comm import run_ranks  # noqa: E402
+from helpers.distributed import run_ranks  # noqa: E402
 
 register_cpu_ci(est_time=50, suite="nsa-cp-test-cpu")
 

@@ -10,17 +10,15 @@ speculative or multi-item scoring work), the hook gathers one row per request pe
 processor hook (`layers/logits_processor.py`) then takes them as already pruned.
 
 The choice is a pure function of the batch (every CP rank holds the same ForwardBatch), so all
-ranks issue the same collective. SGLang's interleave split and our `plan_split(..., "interleave")`
-assign the same tokens in the same local order (test/layout/test_split_matches_sglang.py), so the plan
-names each request's last-token row on its rank.
+ranks issue the same collective. `comm.plan_tail` names each request's last-token rank and row
+under SGLang's interleave split (test/comm/test_tail.py checks it against SGLang's own metadata).
 """
 
 from __future__ import annotations
 
 import torch
 
-from sglang_nsa_cp.comm import gather_last_token_hidden
-from sglang_nsa_cp.layout import plan_split
+from sglang_nsa_cp.comm import gather_last_token_hidden, plan_tail
 from sglang_nsa_cp.sglang_ext.server_args import is_enabled
 
 _PLAN_ATTR = "_nsa_cp_tail_plan"
@@ -56,15 +54,10 @@ def can_gather_narrow(x, forward_batch) -> bool:
 
 
 def tail_plan(forward_batch, cp_size: int):
-    """The batch's split plan (SGLang's interleave), built once per batch."""
+    """The batch's tail plan (SGLang's interleave split), built once per batch."""
     plan = getattr(forward_batch, _PLAN_ATTR, None)
     if plan is None or plan.cp_size != cp_size:
-        plan = plan_split(
-            [int(n) for n in forward_batch.extend_seq_lens_cpu],
-            [int(n) for n in forward_batch.extend_prefix_lens_cpu],
-            cp_size,
-            "interleave",
-        )
+        plan = plan_tail(forward_batch.extend_seq_lens_cpu, cp_size)
         setattr(forward_batch, _PLAN_ATTR, plan)
     return plan
 
