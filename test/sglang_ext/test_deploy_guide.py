@@ -1,0 +1,143 @@
+"""CPU, ~30 s: every command line of docs/deploy.md resolves as SGLang would start it.
+
+Each `python -m sglang.launch_server` line of the guide goes through SGLang 0.5.23's own argument
+resolution (`prepare_server_args`, `resolve_once`) with the plugin loaded, the GPU node stood in
+(`--device cuda`, SGLang's detection there; the SM90 capability; `mlx5_0` in its InfiniBand sysfs)
+and a tiny config.json of the same architecture in place of the checkpoint: the prefill
+lines must come out with shared KV on SGLang's KV sharding (and the KV dtype and prefill backend
+they name), the decode lines as plain decodes. The router line goes through sglang-router's own
+parser. A guide line that stops resolving fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=30, suite="nsa-cp-test-cpu")
+
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
+FLAG = "--enable-nsa-prefill-cp-shared-kv"
+_TINY_DSA = {
+    "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 8, "n_shared_experts": 1,
+    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 128, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64,
+    "vocab_size": 1024, "max_position_embeddings": 4096, "rope_theta": 10000, "rms_norm_eps": 1e-6,
+    "torch_dtype": "bfloat16", "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+    "num_nextn_predict_layers": 1,
+}  # fmt: skip
+# the checkpoint a guide line names -> the architecture of its tiny stand-in
+CHECKPOINTS = {
+    "zai-org/GLM-5-FP8": ("GlmMoeDsaForCausalLM", "glm_moe_dsa"),
+    "deepseek-ai/DeepSeek-V3.2": ("DeepseekV32ForCausalLM", "deepseek_v32"),
+}
+
+
+def guide_commands(module: str) -> list[list[str]]:
+    """argv after `python -m <module>` of every command of the guide's bash blocks (continuation
+    lines joined, environment assignments before the command dropped)."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", GUIDE.read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:3] == ["python", "-m", module] or (f"-m {module}" in line and "=" in words[0]):
+                commands.append(words[words.index(module) + 1 :])
+    return commands
+
+
+SERVERS = guide_commands("sglang.launch_server")
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    paths = {}
+    for name, (arch, model_type) in CHECKPOINTS.items():
+        path = root / model_type
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(dict(_TINY_DSA, architectures=[arch], model_type=model_type)))
+        paths[name] = str(path)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def plugin():
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+
+
+IB_SYSFS = "/sys/class/infiniband"
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """The GPU node as SGLang's resolution sees it: SM90, and the RDMA device the guide names in
+    sysfs (SGLang checks `--disaggregation-ib-device` against it)."""
+    import os
+
+    from sglang.srt.arg_groups import validation_hook
+
+    isdir, listdir = os.path.isdir, os.listdir
+    node_os = type("NodeOs", (), {})()
+    node_os.path = type("NodePath", (), {"isdir": staticmethod(lambda p: p == IB_SYSFS or isdir(p))})()
+    node_os.listdir = lambda p: ["mlx5_0"] if p == IB_SYSFS else listdir(p)
+    monkeypatch.setattr(validation_hook, "os", node_os)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    monkeypatch.delenv("SGLANG_NSA_CP_SHARED_KV", raising=False)
+    from sglang.srt.layers.cp import base as cp_base
+
+    saved = cp_base._STRATEGY  # resolution installs the process-wide CP strategy
+    yield
+    cp_base._STRATEGY = saved
+
+
+def test_the_guide_has_the_deployments_it_promises():
+    prefills = [argv for argv in SERVERS if FLAG in argv]
+    decodes = [argv for argv in SERVERS if "decode" in argv]
+    models = {argv[argv.index("--model-path") + 1] for argv in prefills}
+    dtypes = {argv[argv.index("--kv-cache-dtype") + 1] for argv in prefills}
+    assert models == set(CHECKPOINTS) and dtypes == {"bfloat16", "fp8_e4m3"}, (models, dtypes)
+    assert len(decodes) == len(CHECKPOINTS) and len(guide_commands("sglang_router.launch_router")) == 1
+
+
+@pytest.mark.parametrize("argv", SERVERS, ids=lambda argv: " ".join(argv[1:2] + argv[-5:]))
+def test_every_server_line_resolves(plugin, tiny_models, sm90, argv):
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.server_args import prepare_server_args
+
+    from sglang_nsa_cp.sglang_ext.server_args import ATTR
+
+    argv = list(argv) + ["--device", "cuda"]  # what SGLang detects on the GPU node; none here
+    i = argv.index("--model-path") + 1
+    argv[i] = tiny_models[argv[i]]
+    server_args = prepare_server_args(argv)
+    server_args.resolve_once()
+    cfg = resolving_view(server_args)
+    if FLAG in argv:
+        assert getattr(server_args, ATTR) is True and cfg.enable_kv_cache_sharding is True, argv
+        assert cfg.kv_cache_dtype == argv[argv.index("--kv-cache-dtype") + 1]
+        assert (cfg.dsa_prefill_backend, cfg.page_size, cfg.disaggregation_mode) == ("flashmla_sparse", 64, "prefill")
+    else:
+        assert not getattr(server_args, ATTR, False) and cfg.disaggregation_mode == "decode", argv
+
+
+def test_the_router_line_parses():
+    from sglang_router.launch_router import parse_router_args
+
+    (argv,) = guide_commands("sglang_router.launch_router")
+    router = parse_router_args(argv)
+    assert router.pd_disaggregation and router.port == 8000, router
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
