@@ -5,8 +5,9 @@ arg_groups/parallel_hook.py).
 The plugin is loaded the way SGLang loads it: `load_plugins()` discovers the
 `sglang.srt.plugins` entry point of the installed package. Validation runs in SGLang's real
 resolution pipeline (`ServerArgs.resolve_once`) on tiny config.json-only model directories; the
-only stand-in is `torch.cuda.get_device_capability`, patched to an SM90 GPU so that resolution
-(which asks the GPU for its defaults) runs on a CPU machine. Two subprocess tests run
+stand-ins are `torch.cuda.get_device_capability`, patched to an SM90 GPU so that resolution
+(which asks the GPU for its defaults) runs on a CPU machine, and SGLang's platform check for
+Mamba state snapshots, answered as on CUDA (GLM-5-Next's KDA layers ask it). Two subprocess tests run
 `python -m sglang.launch_server` itself.
 """
 
@@ -74,6 +75,14 @@ def models(tmp_path_factory):
             (root / variant).mkdir()
             (root / variant / "config.json").write_text(json.dumps(cfg))
             paths[variant] = str(root / variant)
+    # GLM-5-Next: a vision-language config whose DSA text model (NoPE, 3 of 4 layers KDA linear
+    # attention) is nested under text_config, as its checkpoints ship it
+    text = dict(_TINY_DSA, model_type="glm5_next_text", num_hidden_layers=4, qk_rope_head_dim=0, index_kpool=1,
+                linear_num_heads=8, linear_head_dim=64, mhc=False)  # fmt: skip
+    config = {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next", "text_config": text}
+    (root / "glm5_next").mkdir()
+    (root / "glm5_next" / "config.json").write_text(json.dumps(config))
+    paths["glm5_next"] = str(root / "glm5_next")
     return paths
 
 
@@ -90,6 +99,10 @@ def plugin():
 @pytest.fixture
 def sm90(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    from sglang.srt.arg_groups import mamba_hook
+
+    # a CUDA platform keeps Mamba/KDA state snapshots (GLM-5-Next's radix cache asks before CP is checked)
+    monkeypatch.setattr(mamba_hook, "_platform_supports_mamba_cache_extra_buffer", lambda: True)
     monkeypatch.delenv("SGLANG_NSA_CP_SHARED_KV", raising=False)
     from sglang.srt.layers.cp import base as cp_base
 
@@ -230,6 +243,7 @@ ONE_CHAIN = {"--speculative-eagle-topk": "1", "--speculative-num-steps": "1", "-
 # (name, model, changes to GOOD, expected message)
 BAD = [
     ("not a DSA model", "v3", {}, "needs a DSA model"),
+    ("GLM-5-Next", "glm5_next", {}, "does not support GLM-5-Next (Glm5NextForConditionalGeneration): its KV cache"),
     ("no prefill CP", "v32", {"--enable-prefill-cp": DROP, "--attn-cp-size": "1"}, "needs prefill CP"),
     ("zigzag", "glm5", {"--cp-strategy": "zigzag"}, "supports --cp-strategy interleave only"),
     (

@@ -40,6 +40,23 @@ logger = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
 SUPPORTED_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+# DSA models SGLang serves whose prefill the flag cannot shard, with what breaks and the fix.
+REFUSED_ARCHITECTURES = {
+    # GLM-5-Next (GLM-5.3-Flash; a vision tower over a hybrid text model, 3 of 4 layers KDA linear
+    # attention, the rest DSA). SGLang 0.5.23 builds its KV cache in
+    # `KVCacheConfigurator._build_hybrid_linear_kv_pool` as a `HybridLinearKVPool` over an unsharded
+    # `DSATokenToKVPool` (no shard spec), then raises "does not support this model family" under
+    # `--enable-kv-cache-sharding`; and `cp_tp_group_sharing_hook` (which every GLM-5-Next prefill CP
+    # run takes) admits a PD prefill only with DFLASH, which `handle_kv_cache_sharding` refuses.
+    "Glm5NextForConditionalGeneration": (
+        "does not support GLM-5-Next (Glm5NextForConditionalGeneration): its KV cache is SGLang's hybrid "
+        "linear-attention pool (KDA recurrent state plus a DSA pool for the indexed-attention layers), which "
+        "SGLang's KV sharding has no page-interleaved version of (SGLang refuses that pool only when it builds "
+        "it, after loading the weights), and SGLang runs its prefill CP as CP-TP group sharing, which on a PD "
+        "prefill needs --speculative-algorithm DFLASH, a draft KV sharding does not take; serve GLM-5 "
+        f"(GlmMoeDsaForCausalLM), or drop {FLAG}"
+    ),
+}
 SUPPORTED_CP_STRATEGIES = ("interleave",)
 SUPPORTED_DSA_PREFILL_BACKENDS = ("flashmla_sparse",)
 DSA_PAGE_SIZE = 64
@@ -69,6 +86,8 @@ def _model_problems(server_args: Any) -> list[str]:
     hf_config = model_config_of(server_args).hf_config
     archs = getattr(hf_config, "architectures", None) or []
     arch = archs[0] if archs else None
+    if arch in REFUSED_ARCHITECTURES:
+        return [REFUSED_ARCHITECTURES[arch]]
     if arch not in SUPPORTED_ARCHITECTURES or not is_deepseek_dsa(hf_config):
         return [
             f"needs a DSA model, one of {SUPPORTED_ARCHITECTURES} with an indexer (index_topk) in "
