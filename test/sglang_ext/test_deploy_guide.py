@@ -11,35 +11,22 @@ parser. A guide line that stops resolving fails here.
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 from sglang.test.ci.ci_register import register_cpu_ci
+
+from helpers.resolution import GLM5, V32, write_config
 
 register_cpu_ci(est_time=30, suite="nsa-cp-test-cpu")
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
 FLAG = "--enable-nsa-prefill-cp-shared-kv"
-_TINY_DSA = {
-    "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 64, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 8, "n_shared_experts": 1,
-    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
-    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 128, "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64, "v_head_dim": 128, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64,
-    "vocab_size": 1024, "max_position_embeddings": 4096, "rope_theta": 10000, "rms_norm_eps": 1e-6,
-    "torch_dtype": "bfloat16", "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
-    "num_nextn_predict_layers": 1,
-}  # fmt: skip
 # the checkpoint a guide line names -> the architecture of its tiny stand-in
-CHECKPOINTS = {
-    "zai-org/GLM-5-FP8": ("GlmMoeDsaForCausalLM", "glm_moe_dsa"),
-    "deepseek-ai/DeepSeek-V3.2": ("DeepseekV32ForCausalLM", "deepseek_v32"),
-}
+CHECKPOINTS = {"zai-org/GLM-5-FP8": GLM5, "deepseek-ai/DeepSeek-V3.2": V32}
 
 
 def guide_commands(module: str) -> list[list[str]]:
@@ -59,30 +46,17 @@ SERVERS = guide_commands("sglang.launch_server")
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    paths = {}
-    for name, (arch, model_type) in CHECKPOINTS.items():
-        path = root / model_type
-        path.mkdir()
-        (path / "config.json").write_text(json.dumps(dict(_TINY_DSA, architectures=[arch], model_type=model_type)))
-        paths[name] = str(path)
-    return paths
-
-
-@pytest.fixture(scope="module")
-def plugin():
-    from sglang.srt.plugins import load_plugins
-
-    load_plugins()
+    root = tmp_path_factory.mktemp("models")  # with their MTP layer, for the GLM-5 MTP line
+    return {name: write_config(root / arch[1], arch, num_nextn_predict_layers=1) for name, arch in CHECKPOINTS.items()}
 
 
 IB_SYSFS = "/sys/class/infiniband"
 
 
 @pytest.fixture
-def sm90(monkeypatch):
-    """The GPU node as SGLang's resolution sees it: SM90, and the RDMA device the guide names in
-    sysfs (SGLang checks `--disaggregation-ib-device` against it)."""
+def node(sm90, monkeypatch):
+    """The GPU node as SGLang's resolution sees it: SM90 (`sm90`), and the RDMA device the guide
+    names in sysfs (SGLang checks `--disaggregation-ib-device` against it)."""
     import os
 
     from sglang.srt.arg_groups import validation_hook
@@ -92,13 +66,6 @@ def sm90(monkeypatch):
     node_os.path = type("NodePath", (), {"isdir": staticmethod(lambda p: p == IB_SYSFS or isdir(p))})()
     node_os.listdir = lambda p: ["mlx5_0"] if p == IB_SYSFS else listdir(p)
     monkeypatch.setattr(validation_hook, "os", node_os)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
-    monkeypatch.delenv("SGLANG_NSA_CP_SHARED_KV", raising=False)
-    from sglang.srt.layers.cp import base as cp_base
-
-    saved = cp_base._STRATEGY  # resolution installs the process-wide CP strategy
-    yield
-    cp_base._STRATEGY = saved
 
 
 def test_the_guide_has_the_deployments_it_promises():
@@ -111,7 +78,7 @@ def test_the_guide_has_the_deployments_it_promises():
 
 
 @pytest.mark.parametrize("argv", SERVERS, ids=lambda argv: " ".join(argv[1:2] + argv[-5:]))
-def test_every_server_line_resolves(plugin, tiny_models, sm90, argv):
+def test_every_server_line_resolves(plugin, tiny_models, node, argv):
     from sglang.srt.arg_groups.overrides import resolving_view
     from sglang.srt.server_args import prepare_server_args
 

@@ -13,7 +13,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import json  # noqa: E402
 import pkgutil  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
@@ -21,8 +20,9 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
+
+from helpers.resolution import V32, write_config  # noqa: E402
 
 from sglang_nsa_cp.sglang_ext.ledger import (  # noqa: E402
     LEDGER,
@@ -38,41 +38,10 @@ ROOT = Path(__file__).resolve().parents[2]
 FLAG = "--enable-nsa-prefill-cp-shared-kv"
 SPEC_HOOK = "mem_cache.page_interleave:make_page_shard_spec"
 
-_TINY_V32 = {
-    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "hidden_size": 256,
-    "intermediate_size": 512, "moe_intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 4, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
-    "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
-    "kv_lora_rank": 512, "q_lora_rank": 128, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64, "vocab_size": 1024,
-    "max_position_embeddings": 4096, "rope_theta": 10000, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16",
-    "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
-}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def plugin():
-    from sglang.srt.plugins import load_plugins
-
-    load_plugins()  # entry-point discovery, register(), HookRegistry.apply_hooks()
-
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("v32")
-    (path / "config.json").write_text(json.dumps(_TINY_V32))
-    return str(path)
-
-
-@pytest.fixture
-def sm90(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
-    monkeypatch.delenv("SGLANG_NSA_CP_SHARED_KV", raising=False)
-    from sglang.srt.layers.cp import base as cp_base
-
-    saved = cp_base._STRATEGY  # resolution installs the process-wide CP strategy
-    yield
-    cp_base._STRATEGY = saved
+    return write_config(tmp_path_factory.mktemp("models") / "v32", V32)
 
 
 def _resolve(model_path, flag=True):

@@ -23,22 +23,14 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
+
+from helpers.resolution import TINY_DSA  # noqa: E402
 
 register_cpu_ci(est_time=40, suite="nsa-cp-test-cpu")
 
 FLAG = "--enable-nsa-prefill-cp-shared-kv"
 
-_TINY_DSA = {
-    "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 64, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 8, "n_shared_experts": 1,
-    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
-    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 128, "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64, "v_head_dim": 128, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64,
-    "vocab_size": 1024, "max_position_embeddings": 4096, "rope_theta": 10000, "rms_norm_eps": 1e-6,
-    "torch_dtype": "bfloat16", "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
-}  # fmt: skip
 _MODELS = {
     "v32": ("DeepseekV32ForCausalLM", "deepseek_v32", True),
     "glm5": ("GlmMoeDsaForCausalLM", "glm_moe_dsa", True),
@@ -64,7 +56,7 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     paths = {}
     for name, (arch, model_type, dsa) in _MODELS.items():
-        config = dict(_TINY_DSA, architectures=[arch], model_type=model_type)
+        config = dict(TINY_DSA, architectures=[arch], model_type=model_type)
         if not dsa:
             for key in ("index_topk", "index_head_dim", "index_n_heads"):
                 config.pop(key)
@@ -77,38 +69,13 @@ def models(tmp_path_factory):
             paths[variant] = str(root / variant)
     # GLM-5-Next: a vision-language config whose DSA text model (NoPE, 3 of 4 layers KDA linear
     # attention) is nested under text_config, as its checkpoints ship it
-    text = dict(_TINY_DSA, model_type="glm5_next_text", num_hidden_layers=4, qk_rope_head_dim=0, index_kpool=1,
+    text = dict(TINY_DSA, model_type="glm5_next_text", num_hidden_layers=4, qk_rope_head_dim=0, index_kpool=1,
                 linear_num_heads=8, linear_head_dim=64, mhc=False)  # fmt: skip
     config = {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next", "text_config": text}
     (root / "glm5_next").mkdir()
     (root / "glm5_next" / "config.json").write_text(json.dumps(config))
     paths["glm5_next"] = str(root / "glm5_next")
     return paths
-
-
-@pytest.fixture(scope="module")
-def plugin():
-    from sglang.srt.plugins import load_plugins
-
-    load_plugins()  # entry-point discovery, register(), HookRegistry.apply_hooks()
-    import sglang_nsa_cp.sglang_ext as ext
-
-    return ext
-
-
-@pytest.fixture
-def sm90(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
-    from sglang.srt.arg_groups import mamba_hook
-
-    # a CUDA platform keeps Mamba/KDA state snapshots (GLM-5-Next's radix cache asks before CP is checked)
-    monkeypatch.setattr(mamba_hook, "_platform_supports_mamba_cache_extra_buffer", lambda: True)
-    monkeypatch.delenv("SGLANG_NSA_CP_SHARED_KV", raising=False)
-    from sglang.srt.layers.cp import base as cp_base
-
-    saved = cp_base._STRATEGY  # resolution installs the process-wide CP strategy
-    yield
-    cp_base._STRATEGY = saved
 
 
 def _resolve(argv):

@@ -1,0 +1,31 @@
+"""Fixtures of the start-up tests: the plugin loaded as SGLang loads it, and the GPU node that
+SGLang's argument resolution inspects, stood in on CPU."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def plugin():
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # entry-point discovery, register(), HookRegistry.apply_hooks()
+    import sglang_nsa_cp.sglang_ext as ext
+
+    return ext
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """SM90's capability; a CUDA platform's Mamba/KDA state snapshots (GLM-5-Next's radix cache asks
+    before CP is checked); no SGLANG_NSA_CP_SHARED_KV from the environment; the process-wide CP
+    strategy that resolution installs restored afterwards."""
+    from sglang.srt.arg_groups import mamba_hook
+    from sglang.srt.layers.cp import base as cp_base
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    monkeypatch.setattr(mamba_hook, "_platform_supports_mamba_cache_extra_buffer", lambda: True)
+    monkeypatch.delenv("SGLANG_NSA_CP_SHARED_KV", raising=False)
+    saved = cp_base._STRATEGY
+    yield
+    cp_base._STRATEGY = saved
