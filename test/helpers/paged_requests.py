@@ -35,17 +35,21 @@ class PagedRequests:
         prefix, seq, locs = [], [], []
         for idx, n in batch:
             start = self.lens.get(idx, 0)
-            pages = self.pages.setdefault(idx, [])
-            while len(pages) * self.page_size < start + n:
-                pages.append(self.free.pop())
-            pos = torch.arange(start, start + n)
-            loc = torch.tensor(pages)[pos // self.page_size] * self.page_size + pos % self.page_size
+            loc = self.new_slots(idx, start, n)
             self.req_to_token[idx, start : start + n] = loc.to(self.req_to_token.dtype)
             self.lens[idx] = start + n
             prefix.append(start)
             seq.append(start + n)
             locs.append(loc)
         return prefix, seq, torch.cat(locs).long()
+
+    def new_slots(self, idx: int, start: int, n: int) -> torch.Tensor:
+        """Slots of request `idx`'s tokens start..start+n, taking pages as needed."""
+        pages = self.pages.setdefault(idx, [])
+        while len(pages) * self.page_size < start + n:
+            pages.append(self.free.pop())
+        pos = torch.arange(start, start + n)
+        return torch.tensor(pages)[pos // self.page_size] * self.page_size + pos % self.page_size
 
 
 ALLOCATOR_MIN_SHARDS = 2  # SGLang's allocator needs N > 1; a CP-off test uses N = 2's page ids
@@ -57,7 +61,7 @@ def logical_pool_pages(pages_per_rank: int, shard_size: int) -> int:
     return max(shard_size, ALLOCATOR_MIN_SHARDS) * (pages_per_rank + 1)
 
 
-class RotatedPagedRequests:
+class RotatedPagedRequests(PagedRequests):
     """Request pages from SGLang's owner-rotating allocator (see the module docstring)."""
 
     def __init__(
@@ -91,27 +95,17 @@ class RotatedPagedRequests:
         self.bases[idx] = self.bases[source]
         self.req_to_token[idx, :length] = self.req_to_token[source, :length]
 
-    def extend(self, batch: list[tuple[int, int]]) -> tuple[list[int], list[int], torch.Tensor]:
-        """batch: [(request index, new tokens)] -> (prefix_lens, seq_lens, out_cache_loc int64)."""
-        prefix, seq, locs = [], [], []
-        for idx, n in batch:
-            start = self.lens.get(idx, 0)
-            if start % self.page_size == 0:  # page-aligned: new pages from the allocator
-                base = [self.bases.get(idx)]
-                lens = torch.tensor([start, start + n])
-                loc = self.allocator.alloc_extend(
-                    lens[:1], lens[:1], lens[1:], lens[1:], last_loc=lens[:1], extend_num_tokens=n, rotation_bases=base
-                )
-                assert loc is not None, "the test's pool is too small"
-                self.bases[idx] = base[0]
-            else:  # a decode step: the rest of the last page
-                loc = self._last_page_slots(idx, start, n)
-            self.req_to_token[idx, start : start + n] = loc.to(self.req_to_token.dtype)
-            self.lens[idx] = start + n
-            prefix.append(start)
-            seq.append(start + n)
-            locs.append(loc)
-        return prefix, seq, torch.cat(locs).long()
+    def new_slots(self, idx: int, start: int, n: int) -> torch.Tensor:
+        if start % self.page_size:  # a decode step: the rest of the last page
+            return self._last_page_slots(idx, start, n)
+        base = [self.bases.get(idx)]  # page-aligned: new pages from the allocator
+        lens = torch.tensor([start, start + n])
+        loc = self.allocator.alloc_extend(
+            lens[:1], lens[:1], lens[1:], lens[1:], last_loc=lens[:1], extend_num_tokens=n, rotation_bases=base
+        )
+        assert loc is not None, "the test's pool is too small"
+        self.bases[idx] = base[0]
+        return loc
 
     def _last_page_slots(self, idx: int, start: int, n: int) -> torch.Tensor:
         if n == 0:
