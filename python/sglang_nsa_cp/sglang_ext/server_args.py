@@ -27,8 +27,10 @@ _DEST = "enable_nsa_prefill_cp_shared_kv"
 
 HELP = (
     "Keep one shared copy of the DSA KV cache (MLA latent and indexer keys) per prefill CP "
-    "group instead of one per rank: each CP rank stores the pages it owns and the dense view "
-    "is rebuilt per layer with one all-gather of owned pages. Needs a DSA model "
+    "group instead of one per rank, on Hopper: turns on SGLang's own KV sharding "
+    "(--enable-kv-cache-sharding) for --dsa-prefill-backend flashmla_sparse with bf16 or fp8 KV; "
+    "each CP rank stores the pages it owns, and a layer's cached prefix is all-gathered one layer "
+    "ahead. Needs a DSA model "
     "(DeepSeek-V3.2, GLM-5), --enable-prefill-cp --cp-strategy interleave --attn-cp-size N>1 "
     "and --disaggregation-mode prefill with --disaggregation-transfer-backend mooncake. "
     "Provided by the sglang-nsa-cp plugin; SGLANG_NSA_CP_SHARED_KV=1 is the same for "

@@ -282,9 +282,9 @@ def find_problems(server_args: Any) -> list[str]:
     if cfg.dsa_prefill_backend not in SUPPORTED_DSA_PREFILL_BACKENDS:
         problems.append(
             f"supports --dsa-prefill-backend {'/'.join(SUPPORTED_DSA_PREFILL_BACKENDS)} only, got "
-            f"{cfg.dsa_prefill_backend!r} (the dense view is verified against flashmla_sparse's reads: bf16 rows, "
-            "or an fp8 cache's prefix dequantized to bf16; SGLang's fp8 default, flashmla_kv on SM90 and trtllm "
-            "on SM100, reads other layouts); use --dsa-prefill-backend flashmla_sparse"
+            f"{cfg.dsa_prefill_backend!r} (the Hopper reader verified over SGLang's sharded pool: bf16 rows, or an "
+            "fp8 cache's prefix dequantized to bf16; SGLang's fp8 default on SM90, flashmla_kv, reads other "
+            "layouts, and trtllm is SGLang's own Blackwell path); use --dsa-prefill-backend flashmla_sparse"
         )
     problems += _sharding_problems(cfg)
     if cfg.enable_hierarchical_cache:
