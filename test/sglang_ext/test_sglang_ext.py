@@ -269,7 +269,7 @@ BAD = [
         "EAGLE3",
         "glm5_mtp",
         {"--speculative-algorithm": "EAGLE3"},
-        "supports speculative decoding with --speculative-algorithm EAGLE/NEXTN",
+        "supports speculative decoding with --speculative-algorithm EAGLE (the model's own MTP layer) only",
     ),
     (
         "multi-layer EAGLE",

@@ -35,7 +35,6 @@ from sglang_nsa_cp.kernels.triton_common import TRITON_IMPORT_ERROR, NoTriton, T
 __all__ = ["store_mla_fp8_owned_and_scratch", "owned_physical_rows", "kernel_mode", "implementation"]
 
 KERNELS_ENV = envs.SGLANG_NSA_CP_KERNELS.name
-KERNEL_MODES = envs.SGLANG_NSA_CP_KERNELS.choices
 
 # op -> the module holding its `<op>_torch` and `<op>_triton`
 OP_MODULES: dict[str, ModuleType] = {"store_mla_fp8_owned_and_scratch": mla_fp8_owned_and_scratch}

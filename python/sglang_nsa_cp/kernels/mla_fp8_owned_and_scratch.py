@@ -11,7 +11,7 @@ this rank owns. This op quantizes once and writes both, in one pass, with no hos
     rank 0: shard[(slot // 4) * 2 + slot % 2]       for i = 0, 1  -> shard rows 2, 3
     rank 1: the same rows of its own shard          for i = 2, 3, 4 -> shard rows 2, 3, 0
 
-Rounding is SGLang's, not `formats.quantize_mla_fp8`'s: scale = amax / 448, codes =
+Rounding is SGLang's: scale = amax / 448 (not amax x fp32(1/448)), codes =
 clamp(x * (1 / scale), -448, 448) cast to e4m3 (an all-zero block: scale 0, its codes the cast of
 clamp(NaN)). The kernel spells the quantization with the very Triton operations of SGLang's
 `_quantize_k_cache_fast_kernel`, so each compiles to the same instructions: on a GPU Triton's

@@ -67,11 +67,9 @@ class PatchPoint:
 
 
 _S = "sglang.srt."
-_CONFIGURATOR = f"{_S}mem_cache.kv_cache_configurator.KVCacheConfigurator"
 _COMMON = f"{_S}disaggregation.common.conn"
 _NO_FIELD_API = "a plugin API to declare ServerArgs fields and their CLI flags"
 _PERMANENT = "none (start-up validation is the plugin's own)"
-_OWNER_POOL = "SGLang adopts an owner-sharded DSA pool (PRs #29847, #31435, #35309)"
 _NARROW = "SGLang gathers only last-token rows for CP batches that need no more"
 _SHARDED_PD = "SGLang keys its sharded PD transfer on the pool, not its own flag, and checks coverage on the decode"
 

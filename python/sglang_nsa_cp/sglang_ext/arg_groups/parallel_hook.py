@@ -60,7 +60,7 @@ REFUSED_ARCHITECTURES = {
 SUPPORTED_CP_STRATEGIES = ("interleave",)
 SUPPORTED_DSA_PREFILL_BACKENDS = ("flashmla_sparse",)
 DSA_PAGE_SIZE = 64
-SUPPORTED_SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")  # SGLang resolves NEXTN to EAGLE
+SUPPORTED_SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")  # NEXTN, SGLang's alias, is refused with its own fix
 
 
 class SharedKVConfigError(ValueError):
@@ -111,10 +111,10 @@ def _speculative_problems(server_args: Any, cfg: Any) -> list[str]:
         return []
     if str(algorithm).upper() not in SUPPORTED_SPECULATIVE_ALGORITHMS:
         return [
-            f"supports speculative decoding with --speculative-algorithm {'/'.join(SUPPORTED_SPECULATIVE_ALGORITHMS)} "
-            f"(the model's own MTP layer) only, got {algorithm}: other drafts bring their own non-DSA pool (EAGLE3's "
-            "is MHA), which would keep per-rank capacity under N times as many logical slots; use NEXTN or drop "
-            "--speculative-algorithm on the prefill instance"
+            f"supports speculative decoding with --speculative-algorithm EAGLE (the model's own MTP layer) only, "
+            f"got {algorithm}: other drafts bring their own non-DSA pool (EAGLE3's is MHA), which would keep "
+            "per-rank capacity under N times as many logical slots; use EAGLE or drop --speculative-algorithm on "
+            "the prefill instance"
         ]
     problems = []
     if str(algorithm).upper() == "NEXTN":
