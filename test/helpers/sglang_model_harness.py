@@ -269,18 +269,18 @@ def token_ids(seed: int = 5) -> dict[int, torch.Tensor]:
 
 
 def _record_tail_rows(engine):
-    """Wrap the `cp_gather_after_forward` EagerRunner calls (the plugin's hook when loaded) to
-    record how many hidden rows reach the logits processor."""
-    from sglang.srt.model_executor.runner import eager_runner
+    """Wrap the plugin's narrow tail gather (when loaded) to record how many last-token rows it
+    gathered for the logits processor in each batch (SGLang's own gather moves every token's)."""
+    from sglang_nsa_cp.sglang_ext.layers.cp import utils as tail
 
-    inner = eager_runner.cp_gather_after_forward
+    inner = tail.gather_last_token_hidden
 
-    def recorded(hidden_states, forward_batch, stream=None):
-        out = inner(hidden_states, forward_batch, stream)
+    def recorded(*args, **kwargs):
+        out = inner(*args, **kwargs)
         engine.trace[-1]["tail_rows"] = int(out.shape[0])
         return out
 
-    eager_runner.cp_gather_after_forward = recorded
+    tail.gather_last_token_hidden = recorded
 
 
 _COLLECTIVES = (

@@ -155,10 +155,50 @@ def test_docs_carry_the_generated_table_and_the_counts():
         "docs/sglang_plugin.md's ledger table is stale: paste `python -m sglang_nsa_cp.sglang_ext.ledger` "
         "between its ledger markers"
     )
-    counts = re.search(r"There are (\d+) patch points, (\d+) of them on private SGLang names", doc)
+    counts = re.search(
+        r"There are (\d+) patch points, (\d+) of them on private SGLang names.*?\s+subclasses the plugin "
+        r"installs override (\d+) SGLang methods, (\d+) of them private",
+        doc,
+        re.S,
+    )
     assert counts, "docs/sglang_plugin.md lost the sentence counting the patch points"
-    want = (len(LEDGER), sum(p.private for p in LEDGER))
-    assert (int(counts[1]), int(counts[2])) == want, f"update the counts in docs/sglang_plugin.md to {want}"
+    overrides = [method.rsplit(".", 1)[1] for p in LEDGER for method, _ in p.overrides]
+    private = sum(m.startswith("_") and not m.startswith("__") for m in overrides)
+    want = (len(LEDGER), sum(p.private for p in LEDGER), len(overrides), private)
+    assert tuple(map(int, counts.groups())) == want, f"update the counts in docs/sglang_plugin.md to {want}"
+    assert len(LEDGER) <= 12, "at most 12 patch points: fold a new one into an existing subclass or hook"
+
+
+def test_the_ledger_lists_every_sglang_method_the_subclasses_override(plugin):
+    """A method a subclass overrides is fingerprinted, so an SGLang change to it refuses the flag."""
+    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake import conn
+    from sglang_nsa_cp.sglang_ext.mem_cache import page_interleave_pool as pool
+
+    overridden = set()
+    for cls in (conn.OwnedPageKVManager, conn.OwnedPageKVSender, conn.OwnedPageKVReceiver,
+                pool.PageInterleaveDSATokenToKVPool):  # fmt: skip
+        base = cls.__mro__[1]
+        overridden |= {f"{base.__module__}.{base.__qualname__}.{name}" for name, value in vars(cls).items()
+                       if callable(value) and hasattr(base, name)}  # fmt: skip
+    assert overridden == {method for p in LEDGER for method, _ in p.overrides}
+
+
+def _change_overridden_signature(monkeypatch):
+    """SGLang adds a parameter to a method the plugin's Mooncake manager overrides."""
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    monkeypatch.setattr(MooncakeKVManager, "maybe_send_extra", lambda self, req, indices, executor, more: None)
+
+
+def test_a_changed_overridden_method_refuses_the_flag(plugin, model, sm90, monkeypatch):
+    from sglang_nsa_cp.sglang_ext.arg_groups.parallel_hook import SharedKVConfigError
+
+    _change_overridden_signature(monkeypatch)
+    with pytest.raises(SharedKVConfigError) as err:
+        _resolve(model)
+    assert "  - hook disaggregation.utils:get_kv_class (" in str(err.value), str(err.value)
+    assert "the overridden `sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.maybe_send_extra`'s " \
+        "signature changed" in str(err.value), str(err.value)  # fmt: skip
 
 
 def test_module_prints_the_table_without_importing_sglang():

@@ -37,7 +37,9 @@ class PatchPoint:
     target: dotted path in sglang; for RESOLUTION, the resolution step's function (its last
     segment is the step name). hook: "module:function", the module relative to `PACKAGE`.
     signature: `fingerprint()` of the target in SGLang `RECORDED_FOR`. why: one line.
-    upstream: the upstream SGLang change that would remove the patch.
+    upstream: the upstream SGLang change that would remove the patch. overrides: the SGLang methods
+    that the subclass the hook installs (a class REPLACE, or the classes a hook answers) overrides,
+    each with its fingerprint, checked like the target's.
     """
 
     target: str
@@ -46,6 +48,7 @@ class PatchPoint:
     signature: str
     why: str
     upstream: str
+    overrides: tuple[tuple[str, str], ...] = ()  # (SGLang method, fingerprint) a hook's subclass overrides
 
     def __post_init__(self):
         assert self.kind in KINDS, f"{self.target}: kind {self.kind!r} not in {KINDS}"
@@ -68,6 +71,7 @@ class PatchPoint:
 
 _S = "sglang.srt."
 _COMMON = f"{_S}disaggregation.common.conn"
+_MOONCAKE = f"{_S}disaggregation.mooncake.conn"
 _NO_FIELD_API = "a plugin API to declare ServerArgs fields and their CLI flags"
 _PERMANENT = "none (start-up validation is the plugin's own)"
 _NARROW = "SGLang gathers only last-token rows for CP batches that need no more"
@@ -105,54 +109,36 @@ LEDGER: tuple[PatchPoint, ...] = (
     PatchPoint(f"{_S}mem_cache.page_interleave_pool.PageInterleaveDSATokenToKVPool", "REPLACE",
                "mem_cache.page_interleave_pool:PageInterleaveDSATokenToKVPool", "915bce3e5a47",
                "SGLang's sharded DSA pool with the fp8 chunk quantized once and scratch row 0 zeroed without history",
-               "the same two changes in `PageInterleaveDSATokenToKVPool` (docs/upstream.md)"),
-    # layers/cp/utils.py, layers/logits_processor.py
+               "the same two changes in `PageInterleaveDSATokenToKVPool` (docs/upstream.md)",
+               overrides=(
+                   (f"{_S}mem_cache.page_interleave_pool.PageInterleaveDSATokenToKVPool.begin_shard_extend", "150f622c8438"),
+                   (f"{_S}mem_cache.page_interleave_pool.PageInterleaveDSATokenToKVPool.set_mla_kv_buffer", "50d382e4c2f9"),
+               )),
+    # layers/cp/utils.py
     PatchPoint(f"{_S}layers.cp.utils.cp_gather_after_forward", "AROUND", "layers.cp.utils:cp_gather_after_forward",
-               "37aa32f39122", "the narrow tail gather: N x bs last-token rows instead of every token's hidden state",
+               "37aa32f39122", "the narrow tail gather: N x bs last-token rows instead of every token's hidden state, "
+               "returned in SGLang's [total_tokens, hidden] layout",
                _NARROW),
-    PatchPoint(f"{_S}layers.logits_processor.LogitsProcessor._get_pruned_states", "AROUND",
-               "layers.logits_processor:get_pruned_states", "0dd0cb5c7f21",
-               "passes the narrow gather's already-pruned [bs, hidden] rows through", _NARROW),
-    # disaggregation/common/conn.py: prefill side, then decode side
-    PatchPoint(f"{_COMMON}.CommonKVManager.__init__", "AROUND", "disaggregation.common.conn:init_owner_sharded_manager",
-               "bd013469fe2e", "a shared-KV prefill manager becomes a shard rank of SGLang's sharded transfer",
-               _SHARDED_PD),
+    # disaggregation/utils.py, disaggregation/common/conn.py
+    PatchPoint(f"{_S}disaggregation.utils.get_kv_class", "AROUND", "disaggregation.utils:get_kv_class", "be9901394e6a",
+               "SGLang builds the plugin's Mooncake manager, sender and receiver: owned-page self-check and "
+               "manifests (prefill), the commit rule (decode)", _SHARDED_PD,
+               overrides=(
+                   (f"{_MOONCAKE}.MooncakeKVManager.__init__", "bd013469fe2e"),
+                   (f"{_MOONCAKE}.MooncakeKVManager.add_transfer_request", "78f460ef87a7"),
+                   (f"{_MOONCAKE}.MooncakeKVManager.maybe_send_extra", "155ffbab59eb"),
+                   (f"{_MOONCAKE}.MooncakeKVManager.conclude_transfer", "0fb1c79a8940"),
+                   (f"{_MOONCAKE}.MooncakeKVManager._encode_kv_status_message", "07e27438bb8e"),
+                   (f"{_MOONCAKE}.MooncakeKVManager.parse_kv_status_message", "a3584c3f4414"),
+                   (f"{_MOONCAKE}.MooncakeKVManager.apply_prefill_status", "49b6dd30b364"),
+                   (f"{_MOONCAKE}.MooncakeKVSender._prepare_send_indices", "12d63999a40d"),
+                   (f"{_MOONCAKE}.MooncakeKVSender.clear", "f4ca892d9e9f"),
+                   (f"{_MOONCAKE}.MooncakeKVReceiver.send_metadata", "aa806ab9e114"),
+                   (f"{_MOONCAKE}.MooncakeKVReceiver._check_waiting_timeout", "f4ca892d9e9f"),
+                   (f"{_MOONCAKE}.MooncakeKVReceiver._clear", "f4ca892d9e9f"),
+               )),
     PatchPoint(f"{_COMMON}.get_zmq_socket_on_host", "AROUND", "disaggregation.common.conn:limit_status_frames",
                "1528319d6891", "a decode manager's status socket gets ZMQ_MAXMSGSIZE before it binds", _SHARDED_PD),
-    PatchPoint(f"{_COMMON}.CommonKVManager.conclude_transfer", "AROUND",
-               "disaggregation.common.conn:check_before_concluding", "0fb1c79a8940",
-               "Success becomes Failed, with the reason, if the rank did not send every owned page once", _SHARDED_PD),
-    PatchPoint(f"{_COMMON}.CommonKVManager._encode_kv_status_message", "AROUND",
-               "disaggregation.common.conn:attach_manifest", "07e27438bb8e",
-               "status messages carry the failure reason and the owned-page manifest", _SHARDED_PD),
-    PatchPoint(f"{_COMMON}.CommonKVSender._prepare_send_indices", "AROUND",
-               "disaggregation.common.conn:expect_owned_kv_pages", "12d63999a40d",
-               "records each chunk's owned positions for the self-check and the manifest", _SHARDED_PD),
-    PatchPoint(f"{_COMMON}.CommonKVSender.clear", "AROUND", "disaggregation.common.conn:forget_sent_room",
-               "f4ca892d9e9f", "forgets what the sender recorded for the room", _SHARDED_PD),
-    PatchPoint(f"{_COMMON}.CommonKVManager.parse_kv_status_message", "AROUND",
-               "disaggregation.common.conn:read_manifest", "a3584c3f4414",
-               "decode: reads the manifest frame (bounded, keyed, never raising)", _SHARDED_PD),
-    PatchPoint(f"{_COMMON}.CommonKVManager.apply_prefill_status", "AROUND",
-               "disaggregation.common.conn:verify_before_success", "49b6dd30b364",
-               "decode: commits a room only when the manifests cover every position once, from its owner",
-               _SHARDED_PD),
-    PatchPoint(f"{_COMMON}.CommonKVReceiver.send_metadata", "AROUND", "disaggregation.common.conn:record_expectation",
-               "aa806ab9e114", "decode: records the room's destination counts and CP size the manifests must match",
-               _SHARDED_PD),
-    PatchPoint(f"{_COMMON}.CommonKVReceiver._check_waiting_timeout", "AROUND",
-               "disaggregation.common.conn:name_silent_ranks", "f4ca892d9e9f",
-               "decode: a timed-out room names the CP ranks that sent nothing", _SHARDED_PD),
-    PatchPoint(f"{_COMMON}.CommonKVReceiver._clear", "AROUND", "disaggregation.common.conn:forget_received_room",
-               "f4ca892d9e9f", "decode: forgets the room's manifests", _SHARDED_PD),
-    # disaggregation/mooncake/conn.py
-    PatchPoint(f"{_S}disaggregation.mooncake.conn.MooncakeKVManager.add_transfer_request", "AROUND",
-               "disaggregation.mooncake.conn:queue_owned_kv_pages", "78f460ef87a7",
-               "records the queued KV pages; fails a room whose decode destination list is too short", _SHARDED_PD),
-    PatchPoint(f"{_S}disaggregation.mooncake.conn.MooncakeKVManager.maybe_send_extra", "AROUND",
-               "disaggregation.mooncake.conn:send_owned_index_pages", "155ffbab59eb",
-               "sends only the index-K pages this rank owns (SGLang filters them only under its own flag)",
-               _SHARDED_PD),
     # disaggregation/decode.py
     PatchPoint(f"{_S}disaggregation.decode.DecodePreallocQueue._alloc_for_decode_prealloc", "AROUND",
                "disaggregation.decode:allocate_grouped_by_owner", "3543d1920c47",
@@ -206,24 +192,38 @@ def is_installed(point: PatchPoint) -> bool:
     return point.target in HookRegistry._patched and _closes_over(current, hook)
 
 
-def _problem(point: PatchPoint) -> str | None:
+def current_fingerprint(target: str) -> str:
+    """The target's fingerprint now, or why it has none."""
     try:
-        target = pkgutil.resolve_name(point.target)
+        return fingerprint(pkgutil.resolve_name(target))
     except (ImportError, AttributeError, ValueError) as err:
+        return f"unresolved ({type(err).__name__}: {err})"
+    except TypeError as err:  # no longer a function
+        return f"none ({err})"
+
+
+def _signature_problem(what: str, target: str, recorded: str) -> str | None:
+    now = current_fingerprint(target)
+    if now.startswith("unresolved"):
         return (
-            f"its target no longer resolves in the installed SGLang ({type(err).__name__}: {err}); port the hook "
+            f"{what} no longer resolves in the installed SGLang ({now[len('unresolved (') : -1]}); port the hook "
             f"to the new target and update its entry in sglang_ext/ledger.py, or install sglang=={RECORDED_FOR}"
         )
-    try:
-        now = fingerprint(target)
-    except (TypeError, ValueError) as err:  # no longer a function
-        now = f"none ({err})"
-    if now != point.signature:
+    if now != recorded:
         return (
-            f"its target's signature changed (fingerprint {now}, recorded {point.signature} for SGLang "
+            f"{what}'s signature changed (fingerprint {now}, recorded {recorded} for SGLang "
             f"{RECORDED_FOR}); check the hook against the new signature, then re-record it from "
             "`python -m sglang_nsa_cp.sglang_ext.ledger --fingerprints`"
         )
+    return None
+
+
+def _problem(point: PatchPoint) -> str | None:
+    problem = _signature_problem("its target", point.target, point.signature)
+    for method, recorded in point.overrides:
+        problem = problem or _signature_problem(f"the overridden `{method}`", method, recorded)
+    if problem:
+        return problem
     if not is_installed(point):
         return (
             "it is not installed (SGLang's `HookRegistry.apply_hooks()` logs 'Failed to apply hooks to' the "
@@ -251,6 +251,11 @@ def markdown_table() -> str:
     lines = ["| target | kind | private | why | upstream change that removes it |", "| --- | --- | --- | --- | --- |"]
     for p in LEDGER:
         lines.append(f"| `{p.target}` | {p.kind} | {'yes' if p.private else ''} | {p.why} | {p.upstream} |")
+    lines += ["", "SGLang methods the plugin's subclasses override (fingerprinted like the targets):", ""]
+    for p in LEDGER:
+        if p.overrides:
+            methods = ", ".join(f"`{m.rsplit('.', 2)[-2]}.{m.rsplit('.', 1)[-1]}`" for m, _ in p.overrides)
+            lines.append(f"- through `{p.target}`: {methods}")
     return "\n".join(lines)
 
 
@@ -258,11 +263,9 @@ def fingerprint_report() -> str:
     """The current fingerprint of every target, marking those that differ from the ledger's."""
     lines = []
     for p in LEDGER:
-        try:
-            now = fingerprint(pkgutil.resolve_name(p.target))
-        except (ImportError, AttributeError, ValueError, TypeError) as err:
-            now = f"unresolved ({type(err).__name__}: {err})"
-        lines.append(f"{now}  {p.target}" + ("" if now == p.signature else f"  (recorded {p.signature})"))
+        for target, recorded in ((p.target, p.signature), *p.overrides):
+            now = current_fingerprint(target)
+            lines.append(f"{now}  {target}" + ("" if now == recorded else f"  (recorded {recorded})"))
     return "\n".join(lines)
 
 

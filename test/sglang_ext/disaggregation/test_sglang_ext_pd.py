@@ -175,7 +175,7 @@ def _load_plugin():
     load_plugins()  # entry-point discovery, register(), HookRegistry.apply_hooks()
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    assert "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.maybe_send_extra" in HookRegistry._patched
+    assert "sglang.srt.disaggregation.utils.get_kv_class" in HookRegistry._patched
 
 
 def _scheduler_stub(server_args, kv="bfloat16", **extra):
@@ -326,7 +326,7 @@ def _install_faults(rank, faults, traffic):
     from sglang.srt.disaggregation.common.conn import CommonKVSender
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
-    import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as plugin_conn
+    import sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn as plugin_conn
 
     slow, transfer = dict(faults.get(("slow", rank), {})), MooncakeKVManager._transfer_data
     traffic.slowed = set(slow)  # rooms whose slowed write has not finished
@@ -372,9 +372,9 @@ def _prefill_rank(rank, cp_size, shard_group, bootstrap_port, requests, faults, 
     _load_plugin()
     server_args = _publish("prefill", cp_size, rank, bootstrap_port, shard_group)
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVBootstrapServer, MooncakeKVSender
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVBootstrapServer
     from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
-    from sglang.srt.disaggregation.utils import TransferBackend
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
     if rank == 0:  # in SGLang the prefill's HTTP server process runs it
         MooncakeKVBootstrapServer("127.0.0.1", bootstrap_port)
@@ -402,7 +402,7 @@ def _prefill_rank(rank, cp_size, shard_group, bootstrap_port, requests, faults, 
         room = req["room"]
         if rank in req.get("silent", ()):
             return {"status": "silent"}
-        sender = MooncakeKVSender(mgr, f"127.0.0.1:{bootstrap_port}", room)
+        sender = get_kv_class(TransferBackend.MOONCAKE, KVClassType.SENDER)(mgr, f"127.0.0.1:{bootstrap_port}", room)
         _wait(sender.poll, lambda s: s in (KVPoll.WaitingForInput, KVPoll.Failed), 60, f"room {room} bootstrap")
         pages = np.asarray(req["pages"], dtype=np.int32)
         sender.init(len(pages), aux_index=req["aux"])
@@ -450,8 +450,7 @@ def _decode(name, plugin, bootstrap_port, requests, draft=False, kv="bfloat16") 
     server_args = _publish("decode", 1, 0, bootstrap_port)
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.decode import DecodePreallocQueue
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
-    from sglang.srt.disaggregation.utils import TransferBackend
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
     from sglang.srt.runtime_context import get_parallel
 
@@ -498,7 +497,7 @@ def _decode(name, plugin, bootstrap_port, requests, draft=False, kv="bfloat16") 
     for req in requests:
         room, dst = req["room"], np.asarray(req["dst"], dtype=np.int32)
         t_room = time.monotonic()
-        receiver = MooncakeKVReceiver(mgr, addr, room)
+        receiver = get_kv_class(TransferBackend.MOONCAKE, KVClassType.RECEIVER)(mgr, addr, room)
         receiver.init(prefill_dp_rank=0)
         receiver.send_metadata(dst, req["aux"], [dst.copy()])
         if "abort_after_s" in req:
@@ -932,32 +931,35 @@ def test_hostile_manifest_frames_never_raise_in_the_decode_thread():
         assert time.monotonic() - start < 0.1 and len(str(err.value)) <= 300, (name, str(err.value)[:200])
 
 
-def test_hooks_pass_through_when_shared_kv_is_off(monkeypatch):
-    """Without the flag the prefill hooks change nothing; a non-Mooncake prefill manager is refused;
-    a decode manager only gets its status-frame limit and the PD secret (none here)."""
+def test_without_the_flag_the_prefill_manager_is_sglangs(monkeypatch):
+    """SGLang builds the plugin's Mooncake classes (`get_kv_class`); without the flag a prefill
+    manager keeps no ledger and concludes as SGLang concludes; a decode manager is built with its
+    status-frame limit in force and the PD secret (none here)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+    from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend, get_kv_class
 
-    import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as hooks
+    import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as frames
+    import sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn as conn
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import max_manifest_bytes
 
+    assert [get_kv_class(TransferBackend.MOONCAKE, t) for t in (KVClassType.MANAGER, KVClassType.SENDER,
+            KVClassType.RECEIVER)] == [conn.OwnedPageKVManager, conn.OwnedPageKVSender, conn.OwnedPageKVReceiver]  # fmt: skip
     calls = []
-    original = lambda *a, **k: calls.append((a, k))  # noqa: E731
-    mgr = SimpleNamespace()
-    kv_args = SimpleNamespace(kv_data_lens=[64 * 1024], kv_item_lens=[1024])
-    monkeypatch.setattr(hooks, "is_enabled", lambda: False)
-    hooks.init_owner_sharded_manager(original, mgr, kv_args, DisaggregationMode.PREFILL, "server_args")
-    assert vars(mgr) == {} and len(calls) == 1
-    # no ledger: a Success concludes as SGLang concludes it (SGLang advertises its own sharding)
-    hooks.check_before_concluding(original, mgr, bootstrap_room=7, status=KVPoll.Success)
-    assert calls[-1] == ((mgr,), {"bootstrap_room": 7, "status": KVPoll.Success}) and vars(mgr) == {}
-    monkeypatch.setattr(hooks, "is_enabled", lambda: True)
+    monkeypatch.setattr(
+        MooncakeKVManager, "__init__", lambda self, *a: calls.append(getattr(frames._STATUS_FRAME_LIMIT, "bytes", None))
+    )
+    monkeypatch.setattr(MooncakeKVManager, "conclude_transfer", lambda self, **k: calls.append(k))
+    monkeypatch.setattr(conn, "is_enabled", lambda: False)
     monkeypatch.delenv("SGLANG_NSA_CP_PD_SECRET", raising=False)
-    hooks.init_owner_sharded_manager(original, mgr, kv_args, DisaggregationMode.DECODE, "server_args")
-    assert vars(mgr) == {hooks._SECRET: None} and len(calls) == 3
-    with pytest.raises(NotImplementedError, match="Mooncake transfer backend only"):
-        hooks.init_owner_sharded_manager(
-            original, SimpleNamespace(), kv_args, DisaggregationMode.PREFILL, "server_args"
-        )
+    kv_args = SimpleNamespace(kv_data_lens=[64 * 1024], kv_item_lens=[1024])
+    mgr = conn.OwnedPageKVManager(kv_args, DisaggregationMode.PREFILL, "server_args")
+    assert mgr.owned_pages_ledger is None and "kv_status_msg_carries_reason" not in vars(mgr) and calls == [None]
+    mgr.conclude_transfer(bootstrap_room=7, status=KVPoll.Success)
+    assert calls[-1] == {"bootstrap_room": 7, "status": KVPoll.Success} and not mgr.outgoing_manifests
+    decode = conn.OwnedPageKVManager(kv_args, DisaggregationMode.DECODE, "server_args")
+    assert decode.pd_secret is None and calls[-1] == (1 << 20) + max_manifest_bytes(64)
+    assert getattr(frames._STATUS_FRAME_LIMIT, "bytes", None) is None
 
 
 def test_status_socket_refuses_frames_past_its_limit():
@@ -969,11 +971,8 @@ def test_status_socket_refuses_frames_past_its_limit():
     import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as hooks
 
     ctx = zmq.Context()
-    hooks._STATUS_FRAME_LIMIT.bytes = 4096
-    try:
+    with hooks.limited_status_frames(4096):
         port, pull = hooks.limit_status_frames(get_zmq_socket_on_host, ctx, zmq.PULL, host="127.0.0.1")
-    finally:
-        hooks._STATUS_FRAME_LIMIT.bytes = None
     _, unlimited = hooks.limit_status_frames(get_zmq_socket_on_host, ctx, zmq.PULL, host="127.0.0.1")
     assert pull.getsockopt(zmq.MAXMSGSIZE) == 4096 and unlimited.getsockopt(zmq.MAXMSGSIZE) == -1
     push = ctx.socket(zmq.PUSH)
@@ -990,55 +989,47 @@ def test_status_socket_refuses_frames_past_its_limit():
 
 
 def _decode_manager(secret):
-    """A decode `MooncakeKVManager` with only the state `parse_kv_status_message` and
-    `apply_prefill_status` use, and the hooks' (unwrapped methods: the hooks are called here)."""
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+    """A decode manager of the plugin with only the state `parse_kv_status_message` and
+    `apply_prefill_status` use (SGLang's and the plugin's)."""
+    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn import OwnedPageKVManager
 
-    import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as hooks
-
-    mgr = object.__new__(MooncakeKVManager)
+    mgr = object.__new__(OwnedPageKVManager)
     mgr.__dict__.update(
         request_status={}, prefill_response_tracker={}, required_prefill_response_num_table={}, failure_records={},
         failure_lock=threading.Lock(), enable_staging=False, _staging_handler=None, defer_decode_allocation=False,
         deferred_bootstrap=None, _deferred_ack_targets={}, _deferred_ack_poisoned_rooms=set(), _staging_outstanding={},
+        owned_pages_ledger=None, outgoing_manifests={}, manifest_inbox={}, room_manifests={}, room_expectations={},
+        pd_secret=secret,
     )  # fmt: skip
-    mgr.__dict__[hooks._SECRET] = secret
     return mgr
 
 
 def _deliver(mgr, room, rank, frame):
-    """One status message through the hooks, as SGLang's decode thread handles it."""
-    import inspect
-
+    """One status message, as SGLang's decode thread handles it."""
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
-
-    import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as hooks
 
     msg = [str(room).encode(), str(KVPoll.Success).encode(), str(rank).encode(), b""] + ([frame] if frame else [])
-    parsed = hooks.read_manifest(inspect.unwrap(MooncakeKVManager.parse_kv_status_message), mgr, msg)
-    hooks.verify_before_success(inspect.unwrap(MooncakeKVManager.apply_prefill_status), mgr, bootstrap_room=parsed[0],
-                                status=parsed[1], prefill_rank=parsed[2], failure_reason=parsed[3])  # fmt: skip
+    parsed = mgr.parse_kv_status_message(msg)
+    mgr.apply_prefill_status(bootstrap_room=parsed[0], status=parsed[1], prefill_rank=parsed[2],
+                             failure_reason=parsed[3])  # fmt: skip
 
 
 def _expect(mgr, room, kv_pages=4):
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as hooks
     from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import RoomExpectation
 
     mgr.request_status[room] = KVPoll.WaitingForInput
     mgr.prefill_response_tracker[room] = set()
     mgr.required_prefill_response_num_table[room] = 2
-    hooks._state(mgr, hooks._EXPECTED)[room] = RoomExpectation(kv_pages, kv_pages, 2)
+    mgr.room_expectations[room] = RoomExpectation(kv_pages, kv_pages, 2)
 
 
-def test_decode_hooks_commit_only_full_coverage():
-    """The decode-side hooks around SGLang's own `parse_kv_status_message` and
-    `apply_prefill_status`, fed status messages as the decode thread receives them."""
+def test_decode_manager_commits_only_full_coverage():
+    """The decode manager's `parse_kv_status_message` and `apply_prefill_status` (SGLang's, with
+    the plugin's checks), fed status messages as the decode thread receives them."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as hooks
     from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import encode_manifest
 
     mgr = _decode_manager(secret=None)
@@ -1054,7 +1045,7 @@ def test_decode_hooks_commit_only_full_coverage():
     assert mgr.request_status[4] == KVPoll.Failed and "[1] reported success without" in mgr.failure_records[4]
     _deliver(mgr, 1, 1, encode_manifest(_manifest(1, [1], [11]), 1, 1, None))  # a late repeat cannot undo a commit
     assert mgr.request_status[1] == KVPoll.Success
-    assert not mgr.__dict__[hooks._MANIFESTS] and not mgr.__dict__[hooks._INBOX]
+    assert not mgr.room_manifests and not mgr.manifest_inbox
 
 
 def test_decode_thread_survives_hostile_manifest_frames_keyed_or_not():

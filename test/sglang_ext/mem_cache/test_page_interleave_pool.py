@@ -96,7 +96,7 @@ def test_sharded_pool_equals_cp_off_where_replicated_cp_does(runs):
 def test_narrow_tail_gather_and_history_gathers(runs):
     layers = H.TINY_V32["num_hidden_layers"]
     for rank, r in enumerate(runs["sharded"]):
-        # one row per request reaches the logits processor (the plugin's narrow tail gather)
+        # the plugin's narrow tail gather moves one row per request (SGLang's, every token's)
         assert [t.get("tail_rows") for t in r["trace"][:3]] == [len(b) for b in H.ROTATED_BATCHES], f"{rank=}"
         # batches 1 and 2 gather history: latent and index pages per layer; batch 0 gathers nothing
         assert r["gathered"]["calls"] == 2 * 2 * layers, f"{rank=}: {r['gathered']}"

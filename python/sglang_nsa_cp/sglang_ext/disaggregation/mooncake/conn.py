@@ -1,27 +1,66 @@
-"""Owned-page PD transfer: the Mooncake manager's queue and its index-K (DSA state) send. Mirrors
-`sglang/srt/disaggregation/mooncake/conn.py`; see `../common/conn.py` for the whole picture.
+"""Owned-page PD transfer on SGLang's own KV-sharding path: what the plugin adds, as subclasses of
+SGLang's Mooncake classes. Mirrors `sglang/srt/disaggregation/mooncake/conn.py`.
 
-Targets (act only on a shared-KV prefill manager, `ledger_of(mgr)` not None):
+The flag turns on SGLang 0.5.23's `--enable-kv-cache-sharding`, whose transfer already ships the
+pages each CP rank owns (logical page p on rank p % N at local page p // N): every CP rank is a
+sender of its owned KV pages (`filter_kv_indices_for_shard_rank`) and index-K pages
+(`_prepare_sharded_dsa_indices`), and the bootstrap advertises sharding, so any decode pulls from
+all N CP ranks and reports Success after all N did. The plugin adds the checks:
 
-- `MooncakeKVManager.add_transfer_request` (AROUND): records the KV pages handed to the transfer
-  queue (request positions, local page ids) for the rank's self-check and manifest, and fails the
-  room with a reason, instead of queueing, when a decode destination list is shorter than the
-  positions it must hold (SGLang's worker would index past its end and stop the transfer thread).
-- `MooncakeKVManager.maybe_send_extra` (AROUND): records the index-K pages this rank owns, which
-  SGLang's sharded send (`_prepare_sharded_dsa_indices`) then ships from its local pages p // N to
-  the decode pages at their positions, and fails the room with a reason when the decode's list
-  does not pair with the prefill's (SGLang would raise in its transfer thread).
+- each rank checks, before it reports Success, that it handed every page it owns to the transfer
+  exactly once (`owned_pages.OwnedPageLedger.finish`), and reports Failed with the difference
+  otherwise; status messages carry the failure reason (a stock decode reads it);
+- its Success message carries a manifest frame (positions and logical pages of its KV and
+  index-K pages), keyed with SGLANG_NSA_CP_PD_SECRET when set (`disagg/auth.py`). A decode with
+  this plugin (no flag needed) commits a room only when the N manifests cover every position
+  exactly once from its owner, counted against its own destination pages and CP size (recorded
+  when it sends them), and names the silent ranks when a room times out; with the secret, a
+  Success whose manifest is missing or not keyed to that room and rank is dropped as if it never
+  came (logged at most every 10 s), so a forged one neither commits nor fails the room. A
+  manifest frame is parsed only for a room the decode asked for, only up to the size that room
+  needs, and never raises into SGLang's decode thread: what is wrong becomes the room's failure
+  reason. The decode's status socket refuses frames past that size for its largest request
+  (ZMQ_MAXMSGSIZE, `../common/conn.py`). A stock decode ignores the frame.
+
+SGLang builds these classes through `get_kv_class` (`../utils.py` returns them for Mooncake), so
+every manager, sender and receiver of a process with the plugin is one of them. Each override
+calls SGLang's method; the ledger fingerprints every SGLang method overridden here
+(`ledger.PatchPoint.overrides`). Prefill-side overrides act only on a shared-KV prefill manager
+(`owned_pages_ledger` set); decode-side ones only on rooms whose Success messages carry
+manifests, or on every room when the decode has the secret.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
+from sglang.srt.disaggregation.base.conn import KVPoll, StateType
+from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, MooncakeKVReceiver, MooncakeKVSender
+from sglang.srt.disaggregation.utils import DisaggregationMode
 
-from sglang_nsa_cp.sglang_ext.disaggregation.common.conn import ledger_of
+from sglang_nsa_cp.disagg import auth
+from sglang_nsa_cp.disagg.manifest import cut
+from sglang_nsa_cp.sglang_ext.disaggregation.common.conn import limited_status_frames
+from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import (
+    MANIFEST_TAG,
+    OwnedPageLedger,
+    RoomExpectation,
+    UnauthenticatedManifest,
+    decode_manifest,
+    encode_manifest,
+    max_manifest_bytes,
+    verify_manifests,
+)
+from sglang_nsa_cp.sglang_ext.server_args import is_enabled
 
 logger = logging.getLogger(__name__)
+
+
+def self_check(ledger: OwnedPageLedger, room: int):
+    """(manifest, problem) of a room this rank concludes; module-level so a test can bypass it."""
+    return ledger.finish(room)
 
 
 def _positions(index_slice) -> np.ndarray:
@@ -30,74 +69,311 @@ def _positions(index_slice) -> np.ndarray:
     return np.asarray(index_slice, dtype=np.int64)
 
 
-def queue_owned_kv_pages(original, self, bootstrap_room, kv_indices, index_slice, is_last_chunk, *args, **kwargs):
-    """AROUND `MooncakeKVManager.add_transfer_request` (prefill)."""
-    ledger = ledger_of(self)
-    if ledger is None:
-        return original(self, bootstrap_room, kv_indices, index_slice, is_last_chunk, *args, **kwargs)
-    from sglang.srt.disaggregation.base.conn import KVPoll, StateType
+class _Unauthenticated(str):
+    """Why a status's manifest frame did not authenticate: with the secret, such a status is
+    dropped as if it never came (a forged Success neither commits nor fails a room)."""
 
-    live = (
-        bootstrap_room in self.request_status
-        and self.check_status(bootstrap_room) != KVPoll.Failed
-        and bootstrap_room in self.transfer_infos
+
+_dropped_log = {"last": 0.0, "count": 0}
+
+
+def _log_dropped(room: int, prefill_rank: int, why: str) -> None:
+    _dropped_log["count"] += 1
+    now = time.monotonic()
+    if now - _dropped_log["last"] >= 10:  # at most one line per 10 s, however many are forged
+        _dropped_log["last"] = now
+        logger.warning(
+            "dropping a Success status of room %s from prefill rank %s (%d dropped so far): %s; "
+            "with SGLANG_NSA_CP_PD_SECRET set here, every prefill must run the plugin with the "
+            "same secret",
+            room,
+            prefill_rank,
+            _dropped_log["count"],
+            why,
+        )
+
+
+class OwnedPageKVManager(MooncakeKVManager):
+    """SGLang's Mooncake manager with the owned-page checks (prefill) and the commit rule (decode)."""
+
+    def __init__(self, args, disaggregation_mode, server_args, is_mla_backend=False):
+        # SGLang starts the manager's threads inside __init__: the state they read comes first.
+        self.owned_pages_ledger: OwnedPageLedger | None = None  # prefill, shared KV only
+        self.outgoing_manifests = {}  # prefill: room -> manifest being concluded
+        self.manifest_inbox = {}  # decode: (room, prefill rank) -> manifest parsed, not applied yet
+        self.room_manifests = {}  # decode: room -> {prefill rank: manifest}
+        self.room_expectations = {}  # decode: room -> RoomExpectation (what it asked for)
+        self.pd_secret = auth.pd_secret()
+        if is_enabled() and disaggregation_mode == DisaggregationMode.PREFILL:
+            from sglang.srt.runtime_context import get_parallel
+
+            parallel = get_parallel()
+            rank, size = parallel.attn_cp_rank, parallel.attn_cp_size
+            self.kv_status_msg_carries_reason = True  # a 4th frame; SGLang's decode parser reads it
+            self.owned_pages_ledger = OwnedPageLedger(rank, size)
+            logger.info("Owned-page PD transfer: CP rank %d of %d sends the pages it owns", rank, size)
+        if disaggregation_mode != DisaggregationMode.DECODE:
+            super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+            return
+        # Decode: status messages carry manifests of at most the pool's pages; nothing SGLang
+        # sends to this socket comes near 1 MiB.
+        pool_pages = max((n // max(i, 1) for n, i in zip(args.kv_data_lens, args.kv_item_lens)), default=0)
+        with limited_status_frames((1 << 20) + max_manifest_bytes(pool_pages)):
+            super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+
+    # ---- prefill side ----------------------------------------------------------------------------
+    def add_transfer_request(self, bootstrap_room, kv_indices, index_slice, is_last_chunk, *args, **kwargs):
+        """Records the KV pages handed to the transfer queue (request positions, local page ids)
+        for the rank's self-check and manifest; fails the room with a reason, instead of queueing,
+        when a decode destination list is shorter than the positions it must hold (SGLang's worker
+        would index past its end and stop the transfer thread)."""
+        ledger = self.owned_pages_ledger
+        live = (
+            ledger is not None
+            and bootstrap_room in self.request_status
+            and self.check_status(bootstrap_room) != KVPoll.Failed
+            and bootstrap_room in self.transfer_infos
+        )
+        if live:
+            positions = _positions(index_slice)
+            local = kv_indices.numpy() if hasattr(kv_indices, "numpy") else np.asarray(kv_indices)
+            if positions.size:
+                need = int(positions.max()) + 1
+                for info in list(self.transfer_infos[bootstrap_room].values()):
+                    if not info.is_dummy and len(info.dst_kv_indices) < need:
+                        self.conclude_failure(
+                            bootstrap_room=bootstrap_room,
+                            failure_reason=(
+                                f"owned-page transfer of room {bootstrap_room}: decode {info.endpoint}:"
+                                f"{info.dst_port} sent {len(info.dst_kv_indices)} destination pages, CP rank "
+                                f"{ledger.rank} must write position {need - 1}"
+                            ),
+                        )
+                        return None
+            ledger.queue_kv(bootstrap_room, positions, local)
+            state_indices = kwargs.get("state_indices", args[1] if len(args) > 1 else None)
+            if is_last_chunk and state_indices:
+                types = getattr(self.kv_args, "state_types", [])
+                dsa = [i for i, st in enumerate(types) if st == StateType.DSA]
+                if any(i < len(state_indices) and state_indices[i] is not None for i in dsa):
+                    ledger.expect_index(bootstrap_room)
+        return super().add_transfer_request(bootstrap_room, kv_indices, index_slice, is_last_chunk, *args, **kwargs)
+
+    def maybe_send_extra(self, req, prefill_state_indices, executor, *args, **kwargs):
+        """Records the index-K pages this rank owns (last chunk, per decode destination), which
+        SGLang's sharded send (`_prepare_sharded_dsa_indices`) then ships from its local pages
+        p // N to the decode pages at their positions; fails the room with a reason when the
+        decode's list does not pair with the prefill's (SGLang would raise in its transfer thread)."""
+        ledger = self.owned_pages_ledger
+        if ledger is None:
+            return super().maybe_send_extra(req, prefill_state_indices, executor, *args, **kwargs)
+        types = list(getattr(self.kv_args, "state_types", []))
+        indices = list(prefill_state_indices)
+        dst_lists = list(req.dst_state_indices)
+        for i, st in enumerate(types):
+            if i >= len(indices) or indices[i] is None:
+                continue
+            if st != StateType.DSA:
+                self.conclude_failure(
+                    bootstrap_room=req.room,
+                    failure_reason=f"owned-page transfer: state {st.value} is not supported with shared KV",
+                )
+                return -1
+            full = np.asarray(indices[i], dtype=np.int64)
+            dst = np.asarray(dst_lists[i] if i < len(dst_lists) else [], dtype=np.int64)
+            if len(full) != len(dst):
+                self.conclude_failure(
+                    bootstrap_room=req.room,
+                    failure_reason=(
+                        f"owned-page transfer of room {req.room}: {len(full)} index-K pages on the prefill, "
+                        f"{len(dst)} destination pages from decode {req.endpoint}:{req.dst_port}"
+                    ),
+                )
+                return -1
+            mine = ledger.owned(full)
+            ledger.record_index(req.room, len(full), np.nonzero(mine)[0], full[mine])
+        return super().maybe_send_extra(req, prefill_state_indices, executor, *args, **kwargs)
+
+    def conclude_transfer(self, **kwargs):
+        """A Success becomes Failed with the reason when this rank did not hand every page it owns
+        to the transfer exactly once; the manifest of a Success goes out with the status message
+        (`_encode_kv_status_message`)."""
+        ledger, room, status = self.owned_pages_ledger, kwargs.get("bootstrap_room"), kwargs.get("status")
+        if ledger is None or room is None or status not in (KVPoll.Success, KVPoll.Failed):
+            return super().conclude_transfer(**kwargs)
+        manifest, problem = self_check(ledger, room)
+        if status == KVPoll.Success and problem is not None:
+            logger.error("%s", problem)
+            kwargs.update(status=KVPoll.Failed, failure_reason=problem)
+        if kwargs["status"] == KVPoll.Success and manifest is not None:
+            self.outgoing_manifests[room] = manifest
+        try:
+            return super().conclude_transfer(**kwargs)
+        finally:
+            self.outgoing_manifests.pop(room, None)
+
+    def _encode_kv_status_message(self, **kwargs):
+        """The manifest frame goes after the reason frame of this rank's Success message."""
+        parts = super()._encode_kv_status_message(**kwargs)
+        room = kwargs.get("bootstrap_room")
+        manifest = self.outgoing_manifests.get(room)
+        if manifest is not None:
+            parts = list(parts) + [encode_manifest(manifest, room, self._prefill_unique_rank(), self.pd_secret)]
+        return parts
+
+    # ---- decode side (no flag: keyed on the manifests a shared-KV prefill sends) -------------------
+    def parse_kv_status_message(self, msg):
+        """Keeps the manifest frame of a status message for `apply_prefill_status` (the decode
+        thread calls both, in that order). Only a room this decode asked for is parsed, up to the
+        size that room needs; what is wrong with a frame becomes a string (the room's failure
+        reason later), never an exception here."""
+        parsed = super().parse_kv_status_message(msg)
+        if parsed is None:
+            return parsed
+        body = msg[1:] if self.kv_status_msg_tag is not None else msg
+        frame = body[4] if len(body) > 4 else b""
+        room, _, prefill_rank, _ = parsed
+        expected = self.room_expectations.get(room)
+        if expected is not None and frame.startswith(MANIFEST_TAG):
+            keyed = self.pd_secret is not None
+            try:
+                manifest = decode_manifest(
+                    frame, room=room, prefill_rank=prefill_rank, secret=self.pd_secret, max_pages=expected.max_pages
+                )
+            except UnauthenticatedManifest as e:
+                manifest = _Unauthenticated(cut(str(e), 300)) if keyed else cut(str(e), 300)
+            except ValueError as e:
+                manifest = cut(str(e), 300)
+            self.manifest_inbox[(room, prefill_rank)] = manifest
+        return parsed
+
+    def apply_prefill_status(self, *, bootstrap_room, status, prefill_rank, failure_reason=None):
+        """When the last expected Success of a room whose senders send manifests (every room,
+        when this decode has the secret) arrives, commit only if the manifests cover every page
+        position exactly once from its owner, counted against what this decode asked for;
+        otherwise the room fails with the reason."""
+        manifest = self.manifest_inbox.pop((bootstrap_room, prefill_rank), None)
+        responders = self.prefill_response_tracker.get(bootstrap_room)
+        required = self.required_prefill_response_num_table.get(bootstrap_room)
+        keyed = self.pd_secret is not None
+
+        def apply(status, failure_reason):
+            return super(OwnedPageKVManager, self).apply_prefill_status(
+                bootstrap_room=bootstrap_room, status=status, prefill_rank=prefill_rank, failure_reason=failure_reason
+            )
+
+        current = self.request_status.get(bootstrap_room)
+        if status != KVPoll.Success or current in (None, KVPoll.Success, KVPoll.Failed) or responders is None:
+            return apply(status, failure_reason)  # not a Success, or the room is already decided
+        if keyed and (manifest is None or isinstance(manifest, _Unauthenticated)):
+            return _log_dropped(bootstrap_room, prefill_rank, manifest or "no owned-page manifest frame")
+        if manifest is not None or keyed:
+            room_manifests = self.room_manifests.setdefault(bootstrap_room, {})
+            if prefill_rank in room_manifests:
+                manifest = f"a second Success from prefill rank {prefill_rank}"
+            if manifest is not None:
+                room_manifests[prefill_rank] = manifest
+        room_manifests = self.room_manifests.get(bootstrap_room)
+        done = responders | {prefill_rank}
+        if room_manifests is not None and required is not None and len(done) >= required:
+            self.room_manifests.pop(bootstrap_room, None)
+            expected = self.room_expectations.get(bootstrap_room)
+            if expected is None:
+                reason = (
+                    f"owned-page transfer of room {bootstrap_room}: the decode has no record of the "
+                    "pages it asked for (send_metadata did not run through the plugin)"
+                )
+            else:
+                reason = verify_manifests(bootstrap_room, room_manifests, done, expected)
+            if reason is not None:
+                logger.error("%s", reason)
+                status, failure_reason = KVPoll.Failed, reason
+        return apply(status, failure_reason)
+
+    def forget_room(self, room: int) -> None:
+        """Drop what the decode recorded for a room (its receiver is cleared)."""
+        self.room_manifests.pop(room, None)
+        self.room_expectations.pop(room, None)
+        for key in [k for k in list(self.manifest_inbox) if k[0] == room]:
+            self.manifest_inbox.pop(key, None)
+
+
+class OwnedPageKVSender(MooncakeKVSender):
+    """SGLang's Mooncake sender, recording each chunk's owned positions for the rank's self-check."""
+
+    def _prepare_send_indices(self, kv_indices, state_indices=None):
+        """Note the positions this rank owns in the unfiltered chunk (logical page ids) before
+        SGLang filters it down to them."""
+        ledger = self.kv_mgr.owned_pages_ledger
+        if ledger is not None:
+            pages = kv_indices.numpy() if hasattr(kv_indices, "numpy") else np.asarray(kv_indices)
+            ledger.expect_kv(self.bootstrap_room, self.curr_idx, pages, total=self.num_kv_indices)
+        return super()._prepare_send_indices(kv_indices, state_indices)
+
+    def clear(self):
+        """Forget the room's ledger entry too (aborted or timed-out rooms never conclude)."""
+        try:
+            return super().clear()
+        finally:
+            if self.kv_mgr.owned_pages_ledger is not None:
+                self.kv_mgr.owned_pages_ledger.drop(self.bootstrap_room)
+
+
+def _expected_prefill_ranks(receiver) -> list[int]:
+    """Prefill unique ranks (`CommonKVManager._prefill_unique_rank`) a receiver waits for."""
+    info = getattr(receiver, "prefill_info", None)
+    if info is None or info.target_cp_ranks is None:
+        return []
+    tp_ranks = [info.target_tp_rank] if info.target_tp_rank is not None else list(info.target_tp_ranks or [])
+    return sorted(
+        tp * (info.pp_size * info.attn_cp_size) + pp * info.attn_cp_size + cp
+        for tp in tp_ranks
+        for pp in info.target_pp_ranks or [0]
+        for cp in info.target_cp_ranks
     )
-    if live:
-        positions = _positions(index_slice)
-        local = kv_indices.numpy() if hasattr(kv_indices, "numpy") else np.asarray(kv_indices)
-        if positions.size:
-            need = int(positions.max()) + 1
-            for info in list(self.transfer_infos[bootstrap_room].values()):
-                if not info.is_dummy and len(info.dst_kv_indices) < need:
-                    self.conclude_failure(
-                        bootstrap_room=bootstrap_room,
-                        failure_reason=(
-                            f"owned-page transfer of room {bootstrap_room}: decode {info.endpoint}:{info.dst_port} "
-                            f"sent {len(info.dst_kv_indices)} destination pages, CP rank {ledger.rank} must "
-                            f"write position {need - 1}"
-                        ),
+
+
+class OwnedPageKVReceiver(MooncakeKVReceiver):
+    """SGLang's Mooncake receiver, recording what it asks for so the manifests can be checked."""
+
+    def send_metadata(self, kv_indices, *args, **kwargs):
+        """Remember what this decode asks for in the room (destination pages of each kind, the
+        prefill CP size it targets) before asking, so a status that answers at once is checked
+        against it."""
+        info = getattr(self, "prefill_info", None)
+        if info is not None and info.attn_cp_size:
+            state_indices = kwargs.get("state_indices", args[1] if len(args) > 1 else None)
+            types = list(getattr(self.kv_mgr.kv_args, "state_types", []) or [])
+            dsa = [s for i, s in enumerate(state_indices or []) if i < len(types) and types[i] == StateType.DSA]
+            index_pages = len(dsa[0]) if dsa and dsa[0] is not None else None
+            self.kv_mgr.room_expectations[self.bootstrap_room] = RoomExpectation(
+                len(kv_indices), index_pages, int(info.attn_cp_size)
+            )
+        return super().send_metadata(kv_indices, *args, **kwargs)
+
+    def _check_waiting_timeout(self):
+        """A room that times out names the prefill ranks whose status never came (the reason
+        only; the outcome is SGLang's)."""
+        result = super()._check_waiting_timeout()
+        if result == KVPoll.Failed:
+            mgr, room = self.kv_mgr, self.bootstrap_room
+            expected = _expected_prefill_ranks(self)
+            done = mgr.prefill_response_tracker.get(room) or set()
+            silent = [r for r in expected if r not in done]
+            if len(expected) > 1 and silent:
+                with mgr.failure_lock:
+                    reason = mgr.failure_records.get(room, "timed out")
+                    mgr.failure_records[room] = (
+                        f"{reason}; no transfer status from prefill rank(s) {silent} "
+                        f"(success from {sorted(done)} of {expected})"
                     )
-                    return None
-        ledger.queue_kv(bootstrap_room, positions, local)
-        state_indices = kwargs.get("state_indices", args[1] if len(args) > 1 else None)
-        if is_last_chunk and state_indices:
-            types = getattr(self.kv_args, "state_types", [])
-            dsa = [i for i, st in enumerate(types) if st == StateType.DSA]
-            if any(i < len(state_indices) and state_indices[i] is not None for i in dsa):
-                ledger.expect_index(bootstrap_room)
-    return original(self, bootstrap_room, kv_indices, index_slice, is_last_chunk, *args, **kwargs)
+            mgr.room_manifests.pop(room, None)
+        return result
 
-
-def send_owned_index_pages(original, self, req, prefill_state_indices, executor, *args, **kwargs):
-    """AROUND `MooncakeKVManager.maybe_send_extra` (prefill, last chunk, per decode destination)."""
-    ledger = ledger_of(self)
-    if ledger is None:
-        return original(self, req, prefill_state_indices, executor, *args, **kwargs)
-    from sglang.srt.disaggregation.base.conn import StateType
-
-    types = list(getattr(self.kv_args, "state_types", []))
-    indices = list(prefill_state_indices)
-    dst_lists = list(req.dst_state_indices)
-    for i, st in enumerate(types):
-        if i >= len(indices) or indices[i] is None:
-            continue
-        if st != StateType.DSA:
-            self.conclude_failure(
-                bootstrap_room=req.room,
-                failure_reason=f"owned-page transfer: state {st.value} is not supported with shared KV",
-            )
-            return -1
-        full = np.asarray(indices[i], dtype=np.int64)
-        dst = np.asarray(dst_lists[i] if i < len(dst_lists) else [], dtype=np.int64)
-        if len(full) != len(dst):
-            self.conclude_failure(
-                bootstrap_room=req.room,
-                failure_reason=(
-                    f"owned-page transfer of room {req.room}: {len(full)} index-K pages on the prefill, "
-                    f"{len(dst)} destination pages from decode {req.endpoint}:{req.dst_port}"
-                ),
-            )
-            return -1
-        mine = ledger.owned(full)
-        ledger.record_index(req.room, len(full), np.nonzero(mine)[0], full[mine])
-    return original(self, req, prefill_state_indices, executor, *args, **kwargs)
+    def _clear(self):
+        """Drop the room's manifests and expectation too."""
+        room = self.bootstrap_room
+        try:
+            return super()._clear()
+        finally:
+            self.kv_mgr.forget_room(room)

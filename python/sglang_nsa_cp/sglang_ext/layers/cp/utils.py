@@ -6,8 +6,10 @@ processor. Today it all-gathers every token's hidden state (total_tokens x hidde
 batch needs only each request's last token (no input logprobs, no hidden-state capture, no
 speculative or multi-item scoring work), the hook gathers one row per request per rank
 (N x bs x hidden, `comm.gather_last_token_hidden`, the original design's
-`cp_collect_last_token_hidden`) and returns them in request order, [bs, hidden]; the logits
-processor hook (`layers/logits_processor.py`) then takes them as already pruned.
+`cp_collect_last_token_hidden`) and returns what SGLang's gather returns, [total_tokens, hidden]
+in token order, with only the last-token rows filled (the rest zero): the logits processor reads
+exactly those rows (`cumsum(extend_seq_lens) - 1`). The same allocation as SGLang's gather
+output, 1/(total_tokens / bs) of its traffic, and nothing downstream changes.
 
 The choice is a pure function of the batch (every CP rank holds the same ForwardBatch), so all
 ranks issue the same collective. `comm.plan_tail` names each request's last-token rank and row
@@ -63,11 +65,13 @@ def tail_plan(forward_batch, cp_size: int):
 
 
 def cp_gather_after_forward(original, x, forward_batch, stream=None):
-    """AROUND `cp_gather_after_forward`: [bs, hidden] last-token rows when that is all the batch needs."""
+    """AROUND `cp_gather_after_forward`: only the last-token rows, when that is all the batch needs."""
     if not can_gather_narrow(x, forward_batch):
         return original(x, forward_batch, stream)
     from sglang.srt.runtime_context import get_parallel
 
     parallel = get_parallel()
     plan = tail_plan(forward_batch, parallel.attn_cp_size)
-    return gather_last_token_hidden(x, plan, parallel.attn_cp_rank, parallel.attn_cp_group.device_group)
+    rows = gather_last_token_hidden(x, plan, parallel.attn_cp_rank, parallel.attn_cp_group.device_group)
+    full = rows.new_zeros((sum(plan.extend_lens), *rows.shape[1:]))
+    return full.index_copy_(0, plan.device_tensor("last_tokens", rows.device), rows)
