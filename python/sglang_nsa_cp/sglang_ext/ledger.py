@@ -131,6 +131,8 @@ LEDGER: tuple[PatchPoint, ...] = (
                    (f"{_MOONCAKE}.MooncakeKVManager._encode_kv_status_message", "07e27438bb8e"),
                    (f"{_MOONCAKE}.MooncakeKVManager.parse_kv_status_message", "a3584c3f4414"),
                    (f"{_MOONCAKE}.MooncakeKVManager.apply_prefill_status", "49b6dd30b364"),
+                   (f"{_MOONCAKE}.MooncakeKVManager._make_worker_recv", "186d0a73099c"),
+                   (f"{_MOONCAKE}.MooncakeKVManager.build_receiver_metadata_message", "9f0d80d17c5f"),
                    (f"{_MOONCAKE}.MooncakeKVSender._prepare_send_indices", "12d63999a40d"),
                    (f"{_MOONCAKE}.MooncakeKVSender.clear", "f4ca892d9e9f"),
                    (f"{_MOONCAKE}.MooncakeKVReceiver.send_metadata", "aa806ab9e114"),

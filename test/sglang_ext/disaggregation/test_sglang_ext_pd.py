@@ -935,6 +935,7 @@ def test_without_the_flag_the_prefill_manager_is_sglangs(monkeypatch):
     """SGLang builds the plugin's Mooncake classes (`get_kv_class`); without the flag a prefill
     manager keeps no ledger and concludes as SGLang concludes; a decode manager is built with its
     status-frame limit in force and the PD secret (none here)."""
+    _load_plugin()
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
     from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend, get_kv_class
@@ -999,7 +1000,7 @@ def _decode_manager(secret):
         failure_lock=threading.Lock(), enable_staging=False, _staging_handler=None, defer_decode_allocation=False,
         deferred_bootstrap=None, _deferred_ack_targets={}, _deferred_ack_poisoned_rooms=set(), _staging_outstanding={},
         owned_pages_ledger=None, outgoing_manifests={}, manifest_inbox={}, room_manifests={}, room_expectations={},
-        pd_secret=secret,
+        pd_secret=secret, destination_nonces={}, room_nonces={},
     )  # fmt: skip
     return mgr
 
@@ -1089,6 +1090,29 @@ def test_decode_thread_survives_hostile_manifest_frames_keyed_or_not():
         for rank, m in good.items():
             _deliver(mgr, 99, rank, encode_manifest(m, 99, rank, secret))
         assert mgr.request_status[99] == KVPoll.Success
+
+
+def test_a_replayed_manifest_of_an_earlier_use_does_not_commit_a_reused_room():
+    """Finding: with the secret, the captured manifests of an earlier use of room 4 committed a
+    new use of room 4 with nothing transferred (SGLang reuses room ids). Each use now has its
+    decode's nonce (sent with its request metadata) inside the manifests' MAC: an earlier use's
+    manifests are dropped as if never sent, with or without the secret; this use's commit."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import encode_manifest
+
+    good = {0: _manifest(0, [0, 2], [10, 12]), 1: _manifest(1, [1, 3], [11, 13])}
+    earlier, now, other_decode = b"e" * 16, b"n" * 16, b"o" * 16
+    for secret in (SECRET, None):
+        mgr = _decode_manager(secret=secret)
+        _expect(mgr, 4)
+        mgr.room_nonces[4] = now
+        for rank, m in good.items():  # replayed: the manifests of the earlier use
+            _deliver(mgr, 4, rank, encode_manifest(m, 4, rank, secret, uses=[earlier]))
+        assert mgr.request_status[4] == KVPoll.WaitingForInput and 4 not in mgr.failure_records, secret
+        for rank, m in good.items():  # this use's transfer (a room may have several destinations)
+            _deliver(mgr, 4, rank, encode_manifest(m, 4, rank, secret, uses=[other_decode, now]))
+        assert mgr.request_status[4] == KVPoll.Success, (secret, mgr.failure_records.get(4))
 
 
 if __name__ == "__main__":

@@ -43,7 +43,11 @@ from sglang_nsa_cp.disagg.manifest import MAX_REQUEST_PAGES, Int64, PageClaims, 
 
 # Frame appended to the prefill's Success status message (after the reason frame). A stock
 # SGLang 0.5.23 decode reads frames [room, status, rank, reason] and ignores the rest.
-MANIFEST_TAG = b"nsa-cp-owned-pages/3 "
+MANIFEST_TAG = b"nsa-cp-owned-pages/4 "
+# Frame appended to the decode's request metadata: the nonce of this use of the room, which the
+# prefill puts into its manifests (a stock SGLang 0.5.23 prefill reads frames 0-9 and ignores it).
+USE_NONCE_TAG = b"nsa-cp-use/1 "
+USE_NONCE_BYTES = 16
 _SHOWN = 16
 
 
@@ -195,11 +199,13 @@ class RankClaims(Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class RoomManifest(Struct, frozen=True, forbid_unknown_fields=True):
-    """The body of a manifest frame: the claims, bound to their room."""
+    """The body of a manifest frame: the claims, bound to their room and to the uses of it they
+    answer (the nonces the room's decode destinations sent with their request metadata)."""
 
     room: Int64
     kv: PageClaims
     index: Optional[PageClaims] = None
+    uses: tuple[bytes, ...] = ()
 
 
 _DECODER = msgspec.msgpack.Decoder(RoomManifest)
@@ -216,9 +222,12 @@ def max_manifest_bytes(num_pages: int) -> int:
     return 1024 + 36 * min(num_pages, MAX_REQUEST_PAGES)
 
 
-def encode_manifest(claims: RankClaims, room: int, prefill_rank: int, secret: Optional[bytes]) -> bytes:
+def encode_manifest(
+    claims: RankClaims, room: int, prefill_rank: int, secret: Optional[bytes], uses: Iterable[bytes] = ()
+) -> bytes:
     """TAG | MAC length (0 or 32) | MAC | msgpack(RoomManifest); the MAC keyed with `secret`."""
-    body = msgspec.msgpack.encode(RoomManifest(room=room, kv=claims.kv, index=claims.index))
+    manifest = RoomManifest(room=room, kv=claims.kv, index=claims.index, uses=tuple(sorted(uses)))
+    body = msgspec.msgpack.encode(manifest)
     mac = auth.sign(secret, _label(room, prefill_rank), body)
     return MANIFEST_TAG + bytes([len(mac)]) + mac + body
 
@@ -227,12 +236,18 @@ class UnauthenticatedManifest(ValueError):
     """A manifest frame that did not get as far as a valid MAC (size, shape or key)."""
 
 
+class ManifestOfAnotherUse(UnauthenticatedManifest):
+    """A manifest that does not answer this use of the room (a replay, or a late status of an
+    earlier use): not this room's business, dropped as if never sent."""
+
+
 def decode_manifest(
-    frame: bytes, *, room: int, prefill_rank: int, secret: Optional[bytes], max_pages: int
+    frame: bytes, *, room: int, prefill_rank: int, secret: Optional[bytes], max_pages: int, use: Optional[bytes] = None
 ) -> RankClaims:
     """The claims in `frame`; ValueError (bounded text) names what is wrong,
-    UnauthenticatedManifest when the frame fails before its MAC checked out. The frame's size is
-    checked against `max_pages` (the decode's own request) and its MAC before anything parses it."""
+    UnauthenticatedManifest when the frame fails before its MAC checked out, ManifestOfAnotherUse
+    when it does not list `use` (this decode's nonce for the room). The frame's size is checked
+    against `max_pages` (the decode's own request) and its MAC before anything parses it."""
     if not frame.startswith(MANIFEST_TAG):
         raise UnauthenticatedManifest("not an owned-page manifest frame")
     limit = max_manifest_bytes(max_pages)
@@ -255,6 +270,8 @@ def decode_manifest(
         raise ValueError(cut(f"malformed manifest: {e}", 300)) from None
     if m.room != room:
         raise ValueError(f"a manifest of room {m.room} in a status message of room {room}")
+    if use is not None and use not in m.uses:
+        raise ManifestOfAnotherUse(f"a manifest of room {room} that answers another use of the room")
     for claims in (m.kv, m.index):
         if claims is not None and (problem := claims.shape_problem(with_checksums=False)) is not None:
             raise ValueError(f"a malformed manifest: {problem}")

@@ -33,6 +33,7 @@ manifests, or on every room when the decode has the secret.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -45,6 +46,9 @@ from sglang_nsa_cp.disagg.manifest import cut
 from sglang_nsa_cp.sglang_ext.disaggregation.common.conn import limited_status_frames
 from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import (
     MANIFEST_TAG,
+    USE_NONCE_BYTES,
+    USE_NONCE_TAG,
+    ManifestOfAnotherUse,
     OwnedPageLedger,
     RoomExpectation,
     UnauthenticatedManifest,
@@ -70,8 +74,9 @@ def _positions(index_slice) -> np.ndarray:
 
 
 class _Unauthenticated(str):
-    """Why a status's manifest frame did not authenticate: with the secret, such a status is
-    dropped as if it never came (a forged Success neither commits nor fails a room)."""
+    """Why a status's manifest frame did not authenticate (with the secret) or answers another
+    use of its room (with or without): such a status is dropped as if it never came, so a forged
+    or replayed Success neither commits nor fails a room."""
 
 
 _dropped_log = {"last": 0.0, "count": 0}
@@ -100,6 +105,8 @@ class OwnedPageKVManager(MooncakeKVManager):
         # SGLang starts the manager's threads inside __init__: the state they read comes first.
         self.owned_pages_ledger: OwnedPageLedger | None = None  # prefill, shared KV only
         self.outgoing_manifests = {}  # prefill: room -> manifest being concluded
+        self.destination_nonces = {}  # prefill: room -> {decode session: nonce of its use of the room}
+        self.room_nonces = {}  # decode: room -> nonce of this use of the room (sent with the metadata)
         self.manifest_inbox = {}  # decode: (room, prefill rank) -> manifest parsed, not applied yet
         self.room_manifests = {}  # decode: room -> {prefill rank: manifest}
         self.room_expectations = {}  # decode: room -> RoomExpectation (what it asked for)
@@ -121,7 +128,35 @@ class OwnedPageKVManager(MooncakeKVManager):
         with limited_status_frames((1 << 20) + max_manifest_bytes(pool_pages)):
             super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
 
+    def _make_worker_recv(self, socket, timeout_ms=500):
+        """The receive of SGLang's worker threads on this manager's socket: on a shared-KV
+        prefill it notes the use nonce that rides on a decode's request metadata (SGLang ignores
+        the extra frame)."""
+        recv = super()._make_worker_recv(socket, timeout_ms)
+        if self.owned_pages_ledger is None:
+            return recv
+
+        def recv_noting_nonces():
+            msg = recv()
+            if msg is not None:
+                self._note_use_nonce(msg)
+            return msg
+
+        return recv_noting_nonces
+
     # ---- prefill side ----------------------------------------------------------------------------
+    def _note_use_nonce(self, msg) -> None:
+        """[room, endpoint, port, session, ..., USE_NONCE_TAG + nonce] from a decode's
+        `build_receiver_metadata_message`; anything else is left to SGLang."""
+        nonce = msg[-1] if len(msg) > 10 else b""
+        if not (nonce.startswith(USE_NONCE_TAG) and len(nonce) == len(USE_NONCE_TAG) + USE_NONCE_BYTES):
+            return
+        try:
+            room, session = int(msg[0].decode("ascii")), msg[3].decode("ascii")
+        except (UnicodeDecodeError, ValueError):
+            return
+        self.destination_nonces.setdefault(room, {})[session] = nonce[len(USE_NONCE_TAG) :]
+
     def add_transfer_request(self, bootstrap_room, kv_indices, index_slice, is_last_chunk, *args, **kwargs):
         """Records the KV pages handed to the transfer queue (request positions, local page ids)
         for the rank's self-check and manifest; fails the room with a reason, instead of queueing,
@@ -218,10 +253,18 @@ class OwnedPageKVManager(MooncakeKVManager):
         room = kwargs.get("bootstrap_room")
         manifest = self.outgoing_manifests.get(room)
         if manifest is not None:
-            parts = list(parts) + [encode_manifest(manifest, room, self._prefill_unique_rank(), self.pd_secret)]
+            uses = self.destination_nonces.get(room, {}).values()
+            parts = list(parts) + [encode_manifest(manifest, room, self._prefill_unique_rank(), self.pd_secret, uses)]
         return parts
 
     # ---- decode side (no flag: keyed on the manifests a shared-KV prefill sends) -------------------
+    def build_receiver_metadata_message(self, **kwargs):
+        """SGLang's request metadata with this use's nonce as a last frame (`OwnedPageKVReceiver.
+        send_metadata` draws it), which a shared-KV prefill binds its manifests to."""
+        parts = super().build_receiver_metadata_message(**kwargs)
+        nonce = self.room_nonces.get(kwargs.get("bootstrap_room"))
+        return parts if nonce is None else list(parts) + [USE_NONCE_TAG + nonce]
+
     def parse_kv_status_message(self, msg):
         """Keeps the manifest frame of a status message for `apply_prefill_status` (the decode
         thread calls both, in that order). Only a room this decode asked for is parsed, up to the
@@ -238,10 +281,16 @@ class OwnedPageKVManager(MooncakeKVManager):
             keyed = self.pd_secret is not None
             try:
                 manifest = decode_manifest(
-                    frame, room=room, prefill_rank=prefill_rank, secret=self.pd_secret, max_pages=expected.max_pages
+                    frame,
+                    room=room,
+                    prefill_rank=prefill_rank,
+                    secret=self.pd_secret,
+                    max_pages=expected.max_pages,
+                    use=self.room_nonces.get(room),
                 )
             except UnauthenticatedManifest as e:
-                manifest = _Unauthenticated(cut(str(e), 300)) if keyed else cut(str(e), 300)
+                other_use = isinstance(e, ManifestOfAnotherUse)
+                manifest = _Unauthenticated(cut(str(e), 300)) if keyed or other_use else cut(str(e), 300)
             except ValueError as e:
                 manifest = cut(str(e), 300)
             self.manifest_inbox[(room, prefill_rank)] = manifest
@@ -265,7 +314,7 @@ class OwnedPageKVManager(MooncakeKVManager):
         current = self.request_status.get(bootstrap_room)
         if status != KVPoll.Success or current in (None, KVPoll.Success, KVPoll.Failed) or responders is None:
             return apply(status, failure_reason)  # not a Success, or the room is already decided
-        if keyed and (manifest is None or isinstance(manifest, _Unauthenticated)):
+        if isinstance(manifest, _Unauthenticated) or (keyed and manifest is None):
             return _log_dropped(bootstrap_room, prefill_rank, manifest or "no owned-page manifest frame")
         if manifest is not None or keyed:
             room_manifests = self.room_manifests.setdefault(bootstrap_room, {})
@@ -294,6 +343,7 @@ class OwnedPageKVManager(MooncakeKVManager):
         """Drop what the decode recorded for a room (its receiver is cleared)."""
         self.room_manifests.pop(room, None)
         self.room_expectations.pop(room, None)
+        self.room_nonces.pop(room, None)
         for key in [k for k in list(self.manifest_inbox) if k[0] == room]:
             self.manifest_inbox.pop(key, None)
 
@@ -317,6 +367,7 @@ class OwnedPageKVSender(MooncakeKVSender):
         finally:
             if self.kv_mgr.owned_pages_ledger is not None:
                 self.kv_mgr.owned_pages_ledger.drop(self.bootstrap_room)
+                self.kv_mgr.destination_nonces.pop(self.bootstrap_room, None)
 
 
 def _expected_prefill_ranks(receiver) -> list[int]:
@@ -349,6 +400,7 @@ class OwnedPageKVReceiver(MooncakeKVReceiver):
             self.kv_mgr.room_expectations[self.bootstrap_room] = RoomExpectation(
                 len(kv_indices), index_pages, int(info.attn_cp_size)
             )
+        self.kv_mgr.room_nonces[self.bootstrap_room] = os.urandom(USE_NONCE_BYTES)  # this use of the room
         return super().send_metadata(kv_indices, *args, **kwargs)
 
     def _check_waiting_timeout(self):
