@@ -1,0 +1,142 @@
+"""Mooncake's listeners (issue #32): `listening_sockets` reads a process's own listeners, a Mooncake
+TransferEngine started as SGLang starts it listens on every interface, and `mooncake_bind_env`
+either binds every listener to 127.0.0.1 or refuses, truthfully: when it refuses, each of Mooncake's
+bind-sounding settings still leaves a wildcard listener (CPU, three engine subprocesses, ~5 s)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import selectors
+import socket
+import subprocess
+import sys
+
+import pytest
+from sglang.test.ci.ci_register import register_cpu_ci
+
+from sglang_nsa_cp.disagg.listeners import (
+    MOONCAKE_LISTENERS,
+    NON_BINDING_SETTINGS,
+    MooncakeBindError,
+    is_wildcard,
+    listening_sockets,
+    mooncake_bind_env,
+)
+
+register_cpu_ci(est_time=5, suite="nsa-cp-test-cpu")
+
+HOST = "127.0.0.1"
+
+# SGLang's MooncakeTransferEngine.initialize, with protocol "tcp" (the one that opens a data port);
+# the engine lives until the test closes stdin.
+_ENGINE = f"""
+import sys
+from mooncake.engine import TransferEngine
+engine = TransferEngine()
+ret = engine.initialize({HOST!r}, "P2PHANDSHAKE", "tcp", "")
+print(ret, engine.get_rpc_port(), flush=True)
+sys.stdin.read()
+"""
+
+needs_mooncake = pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="mooncake not installed")
+
+
+def _engine_listeners(env: dict[str, str]) -> tuple[int, list[tuple[str, int]]]:
+    """Start an engine with `env` over a clean MC_* environment; its rpc port and listeners."""
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("MC_")} | env
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ENGINE],
+        env=child_env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            ready = sel.select(timeout=60)
+        line = proc.stdout.readline() if ready else ""
+        if not line:
+            proc.kill()
+            pytest.fail(f"the engine did not start: {proc.communicate()[1][-2000:]}")
+        ret, rpc_port = map(int, line.split())
+        assert ret == 0, f"TransferEngine.initialize returned {ret}"
+        return rpc_port, listening_sockets(proc.pid)
+    finally:
+        if proc.poll() is None:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def test_listening_sockets_reads_only_this_process():
+    with socket.socket() as loop, socket.socket() as anywhere, socket.socket() as bound_only:
+        loop.bind((HOST, 0))
+        loop.listen()
+        anywhere.bind(("0.0.0.0", 0))
+        anywhere.listen()
+        bound_only.bind((HOST, 0))  # bound, not listening: not reported
+        mine = listening_sockets(os.getpid())
+        assert (HOST, loop.getsockname()[1]) in mine, mine
+        assert ("0.0.0.0", anywhere.getsockname()[1]) in mine, mine
+        assert all(port != bound_only.getsockname()[1] for _, port in mine), mine
+        if socket.has_ipv6:
+            with socket.socket(socket.AF_INET6) as six:
+                try:
+                    six.bind(("::1", 0))
+                except OSError:
+                    pytest.skip("no IPv6 loopback")
+                six.listen()
+                assert ("::1", six.getsockname()[1]) in listening_sockets(os.getpid())
+        # Another process's listener is in the same /proc/<pid>/net/tcp but not ours.
+        other = subprocess.Popen(
+            [sys.executable, "-c", "import socket,sys; s=socket.create_server(('127.0.0.1',0)); "
+             "print(s.getsockname()[1], flush=True); sys.stdin.read()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            port = int(other.stdout.readline())
+            assert (HOST, port) in listening_sockets(other.pid)
+            assert (HOST, port) not in listening_sockets(os.getpid())
+        finally:
+            other.stdin.close()
+            other.wait(timeout=30)
+
+
+def test_wildcard_host_needs_nothing():
+    assert mooncake_bind_env("0.0.0.0") == {} and mooncake_bind_env("::") == {} and mooncake_bind_env("[::]") == {}
+    assert not is_wildcard(HOST) and not is_wildcard("localhost")
+
+
+@needs_mooncake
+def test_control_mooncake_listens_on_every_interface():
+    """Without a setting the handshake port (and the data port) listen on 0.0.0.0 / ::, though the
+    engine's host is 127.0.0.1: what the test below must prevent or refuse."""
+    rpc_port, listeners = _engine_listeners({})
+    exposed = [(address, port) for address, port in listeners if is_wildcard(address)]
+    assert any(port == rpc_port for _, port in exposed), listeners
+    assert len(exposed) >= 2, f"expected the handshake and the TCP data listener on a wildcard: {listeners}"
+
+
+@needs_mooncake
+def test_bind_env_binds_every_listener_or_refuses_truthfully():
+    try:
+        env = mooncake_bind_env(HOST)
+    except MooncakeBindError as refusal:
+        assert refusal.listeners == [name for name, setting in MOONCAKE_LISTENERS.items() if setting is None]
+        message = str(refusal)
+        assert all(name in message for name in refusal.listeners) and "0.0.0.0" in message, message
+        # The refusal stands only while no setting binds: with all of them set, a listener is still
+        # on a wildcard. If this fails, the installed Mooncake binds; put the setting in MOONCAKE_LISTENERS.
+        tried = {name: ("1" if name == "MC_LEGACY_RPC_PORT_BINDING" else HOST) for name in NON_BINDING_SETTINGS}
+        _, listeners = _engine_listeners(tried)
+        assert any(is_wildcard(address) for address, _ in listeners), (tried, listeners)
+        return
+    rpc_port, listeners = _engine_listeners(env)
+    assert listeners and all(address == HOST for address, _ in listeners), (env, listeners)
+    assert any(port == rpc_port for _, port in listeners), listeners
