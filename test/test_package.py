@@ -27,6 +27,7 @@ ALLOWED = {
     "sglang_nsa_cp.disagg.auth",
     "sglang_nsa_cp.disagg.commit",
     "sglang_nsa_cp.disagg.manifest",
+    "sglang_nsa_cp.disagg.listeners",  # Mooncake's unbindable listeners, for the start-up refusal
     "sglang_nsa_cp.comm",  # the narrow tail gather
     "sglang_nsa_cp.comm.collectives",
     "sglang_nsa_cp.comm.tail",

@@ -164,6 +164,14 @@ class NsaCpEnvs:
         "Key of the PD messages (HMAC-SHA256), at least 16 bytes, the same on the decode and every "
         "prefill rank; unset: nothing is keyed.",
     )
+    SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED = EnvBool(
+        "SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED",
+        False,
+        "Set to 1 once Mooncake's handshake and TCP data ports, which it opens on every interface, "
+        "unauthenticated (no setting binds them; MC_MIN_RPC_PORT / MC_MAX_RPC_PORT choose their range), "
+        "are reachable only from the PD peers (a firewall or a network namespace). Without it the flag "
+        "refuses to start.",
+    )
     SGLANG_NSA_CP_TEST_SEED = EnvInt(
         "SGLANG_NSA_CP_TEST_SEED",
         None,

@@ -1,7 +1,8 @@
-"""Mooncake's listeners (issue #32): `listening_sockets` reads a process's own listeners, a Mooncake
-TransferEngine started as SGLang starts it listens on every interface, and `mooncake_bind_env`
-either binds every listener to 127.0.0.1 or refuses, truthfully: when it refuses, each of Mooncake's
-bind-sounding settings still leaves a wildcard listener (CPU, three engine subprocesses, ~5 s)."""
+"""Mooncake's listeners (issue #32): `listening_sockets` reads a process's own listeners; a Mooncake
+TransferEngine started as SGLang starts it listens on every interface; the plugin's table of
+Mooncake settings that bind a listener (`disagg/listeners.py`, none today) is true: with every
+bind-sounding setting a listener is still on a wildcard address, so the flag's refusal stands
+(CPU, three engine subprocesses, ~5 s)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,9 @@ import sys
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-from sglang_nsa_cp.disagg.listeners import (
-    MOONCAKE_LISTENERS,
-    NON_BINDING_SETTINGS,
-    MooncakeBindError,
-    is_wildcard,
-    listening_sockets,
-    mooncake_bind_env,
-)
+from helpers.listeners import is_wildcard, listening_sockets
+
+from sglang_nsa_cp.disagg.listeners import NON_BINDING_SETTINGS, exposure, unbound_listeners
 
 register_cpu_ci(est_time=5, suite="nsa-cp-test-cpu")
 
@@ -108,11 +104,6 @@ def test_listening_sockets_reads_only_this_process():
             other.wait(timeout=30)
 
 
-def test_wildcard_host_needs_nothing():
-    assert mooncake_bind_env("0.0.0.0") == {} and mooncake_bind_env("::") == {} and mooncake_bind_env("[::]") == {}
-    assert not is_wildcard(HOST) and not is_wildcard("localhost")
-
-
 @needs_mooncake
 def test_control_mooncake_listens_on_every_interface():
     """Without a setting the handshake port (and the data port) listen on 0.0.0.0 / ::, though the
@@ -124,19 +115,13 @@ def test_control_mooncake_listens_on_every_interface():
 
 
 @needs_mooncake
-def test_bind_env_binds_every_listener_or_refuses_truthfully():
-    try:
-        env = mooncake_bind_env(HOST)
-    except MooncakeBindError as refusal:
-        assert refusal.listeners == [name for name, setting in MOONCAKE_LISTENERS.items() if setting is None]
-        message = str(refusal)
-        assert all(name in message for name in refusal.listeners) and "0.0.0.0" in message, message
-        # The refusal stands only while no setting binds: with all of them set, a listener is still
-        # on a wildcard. If this fails, the installed Mooncake binds; put the setting in MOONCAKE_LISTENERS.
-        tried = {name: ("1" if name == "MC_LEGACY_RPC_PORT_BINDING" else HOST) for name in NON_BINDING_SETTINGS}
-        _, listeners = _engine_listeners(tried)
-        assert any(is_wildcard(address) for address, _ in listeners), (tried, listeners)
-        return
-    rpc_port, listeners = _engine_listeners(env)
-    assert listeners and all(address == HOST for address, _ in listeners), (env, listeners)
-    assert any(port == rpc_port for _, port in listeners), listeners
+def test_no_mooncake_setting_binds_its_listeners():
+    """The refusal (`exposure`) stands only while no setting binds: with every bind-sounding one set,
+    a listener is still on a wildcard. If this fails, the installed Mooncake binds; record the
+    setting in `MOONCAKE_LISTENERS` and set it from the plugin."""
+    assert unbound_listeners() == ["handshake/RPC listener", "TCP data listener"]
+    message = exposure("SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED")
+    assert all(name in message for name in unbound_listeners()) and "0.0.0.0" in message, message
+    tried = {name: ("1" if name == "MC_LEGACY_RPC_PORT_BINDING" else HOST) for name in NON_BINDING_SETTINGS}
+    _, listeners = _engine_listeners(tried)
+    assert any(is_wildcard(address) for address, _ in listeners), (tried, listeners)

@@ -50,6 +50,8 @@ SERVER_ENV = {
     "MOONCAKE_PROTOCOL": "tcp",
     "MC_FORCE_TCP": "1",
     "SGLANG_HOST_IP": "127.0.0.1",
+    # Mooncake listens on every interface; this test machine's servers talk over loopback only
+    "SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED": "1",
     "OMP_NUM_THREADS": "1",
     "SGLANG_CPU_OMP_THREADS_BIND": "0|1",
     "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",

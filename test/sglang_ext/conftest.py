@@ -18,14 +18,16 @@ def plugin():
 @pytest.fixture
 def sm90(monkeypatch):
     """SM90's capability; a CUDA platform's Mamba/KDA state snapshots (GLM-5-Next's radix cache asks
-    before CP is checked); no SGLANG_NSA_CP_SHARED_KV from the environment; the process-wide CP
-    strategy that resolution installs restored afterwards."""
+    before CP is checked); no SGLANG_NSA_CP_SHARED_KV from the environment; a node whose Mooncake
+    ports are confined (SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED=1, as docs/deploy.md sets it); the
+    process-wide CP strategy that resolution installs restored afterwards."""
     from sglang.srt.arg_groups import mamba_hook
     from sglang.srt.layers.cp import base as cp_base
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
     monkeypatch.setattr(mamba_hook, "_platform_supports_mamba_cache_extra_buffer", lambda: True)
     monkeypatch.delenv("SGLANG_NSA_CP_SHARED_KV", raising=False)
+    monkeypatch.setenv("SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED", "1")
     saved = cp_base._STRATEGY
     yield
     cp_base._STRATEGY = saved

@@ -302,7 +302,23 @@ def test_bad_combination_is_refused_with_its_fix(plugin, models, sm90, name, mod
     assert all("; " in p for p in problems), f"{name}: a problem without its fix:\n{err.value}"
 
 
-def test_page_size_other_than_64_is_refused():
+def test_unconfined_mooncake_ports_refuse_the_flag_naming_the_setting(plugin, models, sm90, monkeypatch):
+    """Mooncake listens on every interface and no setting binds it (test/disagg/test_listeners.py):
+    the flag starts only once the operator says the ports are confined."""
+    from sglang_nsa_cp.sglang_ext.arg_groups.parallel_hook import SharedKVConfigError
+    from sglang_nsa_cp.sglang_ext.server_args import ATTR
+
+    monkeypatch.delenv("SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED")
+    with pytest.raises(SharedKVConfigError) as err:
+        _resolve(_argv(models["v32"]))
+    message = str(err.value)
+    assert "1 problem(s)" in message and "on every interface" in message, message
+    assert "then set SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED=1" in message and "MC_MIN_RPC_PORT" in message, message
+    monkeypatch.setenv("SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED", "1")
+    assert getattr(_resolve(_argv(models["v32"])), ATTR) is True
+
+
+def test_page_size_other_than_64_is_refused(plugin, monkeypatch):
     """SGLang forces page 64 for DSA models before our check runs, so the check is exercised on a
     resolved view directly."""
     from types import SimpleNamespace
@@ -321,6 +337,7 @@ def test_page_size_other_than_64_is_refused():
         chunked_prefill_size=8192, enable_unified_memory=False, enable_flexkv=False, enable_streaming_session=False,
         enable_session_radix_cache=False, cuda_graph_config=SimpleNamespace(prefill=SimpleNamespace(backend="disabled")),
     )  # fmt: skip
+    monkeypatch.setenv("SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED", "1")
     with (
         mock.patch.object(parallel_hook, "resolving_view", lambda sa: view),
         mock.patch.object(parallel_hook, "_model_problems", lambda sa: []),

@@ -33,6 +33,8 @@ from typing import Any, Callable
 from sglang.srt.arg_groups.overrides import declare_resolution, model_config_of, resolving_view
 from sglang.srt.model_executor.cuda_graph_config import Backend
 
+from sglang_nsa_cp.disagg.listeners import exposure
+from sglang_nsa_cp.envs import envs
 from sglang_nsa_cp.sglang_ext.ledger import check_patch_points
 from sglang_nsa_cp.sglang_ext.server_args import ATTR, FLAG, requested
 
@@ -272,6 +274,8 @@ def find_problems(server_args: Any) -> list[str]:
             f"ships owned pages over Mooncake only, got --disaggregation-transfer-backend "
             f"{cfg.disaggregation_transfer_backend}; use --disaggregation-transfer-backend mooncake"
         )
+    elif not envs.SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED.get():
+        problems += filter(None, [exposure(envs.SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED.name)])
     if cfg.device != "cuda":
         problems.append(f"runs on CUDA only, got --device {cfg.device}; use --device cuda")
     if cfg.attention_backend != "dsa" or cfg.prefill_attention_backend not in (None, "dsa"):
