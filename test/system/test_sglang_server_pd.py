@@ -124,6 +124,17 @@ def test_servers_start_with_the_plugin_and_report_n_times_the_capacity(cluster):
     assert not S.scratch_logs(cluster.servers["replicated"], 0)
 
 
+def test_without_the_pd_secret_the_shared_prefill_and_the_decode_each_say_so_once(cluster):
+    """No SGLANG_NSA_CP_PD_SECRET here: each scheduler of the shared prefill (CP ranks) and the
+    decode's says at start-up, in one line, what runs unprotected and the setting that closes it;
+    the replicated prefill (no flag) does not."""
+    line = r"owned-page PD transfer runs unprotected: SGLANG_NSA_CP_PD_SECRET is unset, .*; set it"
+    counts = {
+        name: len(_log_lines_since(cluster.servers[name], 0, line)) for name in ("shared", "decode", "replicated")
+    }
+    assert counts == {"shared": S.CP, "decode": 1, "replicated": 0}, counts
+
+
 def test_concurrent_requests_of_mixed_lengths_match_the_oracles(cluster):
     shared = cluster.servers["shared"]
     mark = _log_mark(shared)

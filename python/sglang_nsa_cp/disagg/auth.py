@@ -5,8 +5,9 @@ The SGLang plugin (sglang_ext/disaggregation/) reads one secret from the environ
 manifest frame of every Success status carries HMAC(secret, room | prefill rank | manifest), and a
 decode with the secret commits only rooms whose every Success carries a valid one.
 
-Without a secret nothing is keyed (the MAC frame is empty) and each process warns once. A secret
-on one side only fails the request with a message naming the variable.
+Without a secret nothing is keyed (the MAC frame is empty; the plugin's PD managers say so once
+per process at start-up). A secret on one side only fails the request with a message naming the
+variable.
 """
 
 from __future__ import annotations
@@ -23,25 +24,14 @@ MAC_BYTES = 32  # HMAC-SHA256
 FROM_ENV = "from-env"  # default of every `secret=` argument: read SGLANG_NSA_CP_PD_SECRET
 SGLANG_NSA_CP_PD_SECRET = envs.SGLANG_NSA_CP_PD_SECRET
 
-_warned = False
-
 
 def pd_secret(secret=FROM_ENV) -> bytes | None:
     """Resolve a `secret=` argument: FROM_ENV reads the environment; None turns keying off."""
-    global _warned
     if secret == FROM_ENV:
         secret = SGLANG_NSA_CP_PD_SECRET.get()
     elif secret is not None and (not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES):
         got = f"{len(secret)} bytes" if isinstance(secret, bytes) else type(secret).__name__  # never the value
         raise ValueError(f"secret must be None or bytes, at least {MIN_SECRET_BYTES} of them; got {got}")
-    if secret is None and not _warned:
-        _warned = True
-        logger.warning(
-            "owned-page PD messages are not authenticated: anyone who reaches the decode's port can "
-            "forge a commit or fail a request; set %s (the same value on the decode and every "
-            "prefill rank) to key them",
-            SGLANG_NSA_CP_PD_SECRET.name,
-        )
     return secret
 
 

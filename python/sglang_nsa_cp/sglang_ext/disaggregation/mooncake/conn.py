@@ -98,6 +98,26 @@ def _log_dropped(room: int, prefill_rank: int, why: str) -> None:
         )
 
 
+_UNPROTECTED = {
+    DisaggregationMode.PREFILL: "its manifests are not keyed, so a decode cannot tell them from forged ones",
+    DisaggregationMode.DECODE: "anyone who reaches this decode's status port can forge or replay a room's "
+    "commit or fail it",
+}
+_warned_unprotected: set = set()
+
+
+def _warn_once_if_unprotected(mode, secret) -> None:
+    """One line per process at start-up when the PD messages are not keyed: what is open, and the fix."""
+    if secret is None and mode in _UNPROTECTED and mode not in _warned_unprotected:
+        _warned_unprotected.add(mode)
+        logger.warning(
+            "owned-page PD transfer runs unprotected: %s is unset, %s; set it, the same value, on the "
+            "decode and every prefill rank (docs/disagg.md)",
+            auth.SGLANG_NSA_CP_PD_SECRET.name,
+            _UNPROTECTED[mode],
+        )
+
+
 class OwnedPageKVManager(MooncakeKVManager):
     """SGLang's Mooncake manager with the owned-page checks (prefill) and the commit rule (decode)."""
 
@@ -119,11 +139,13 @@ class OwnedPageKVManager(MooncakeKVManager):
             self.kv_status_msg_carries_reason = True  # a 4th frame; SGLang's decode parser reads it
             self.owned_pages_ledger = OwnedPageLedger(rank, size)
             logger.info("Owned-page PD transfer: CP rank %d of %d sends the pages it owns", rank, size)
+            _warn_once_if_unprotected(disaggregation_mode, self.pd_secret)
         if disaggregation_mode != DisaggregationMode.DECODE:
             super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
             return
         # Decode: status messages carry manifests of at most the pool's pages; nothing SGLang
         # sends to this socket comes near 1 MiB.
+        _warn_once_if_unprotected(disaggregation_mode, self.pd_secret)
         pool_pages = max((n // max(i, 1) for n, i in zip(args.kv_data_lens, args.kv_item_lens)), default=0)
         with limited_status_frames((1 << 20) + max_manifest_bytes(pool_pages)):
             super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
