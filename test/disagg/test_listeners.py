@@ -125,3 +125,7 @@ def test_no_mooncake_setting_binds_its_listeners():
     tried = {name: ("1" if name == "MC_LEGACY_RPC_PORT_BINDING" else HOST) for name in NON_BINDING_SETTINGS}
     _, listeners = _engine_listeners(tried)
     assert any(is_wildcard(address) for address, _ in listeners), (tried, listeners)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
