@@ -3,7 +3,9 @@
 The SGLang plugin (sglang_ext/disaggregation/) reads one secret from the environment,
 `SGLANG_NSA_CP_PD_SECRET` (declared in `envs.py`, read here only, through `pd_secret`): the
 manifest frame of every Success status carries HMAC(secret, room | prefill rank | manifest), and a
-decode with the secret commits only rooms whose every Success carries a valid one.
+decode with the secret commits only rooms whose every Success carries a valid one; every other
+status of a shared-KV rank carries a status signature (`sglang_ext/disaggregation/status_guard.py`),
+without which a decode with the secret drops it.
 
 Without a secret nothing is keyed (the MAC frame is empty; the plugin's PD managers say so once
 per process at start-up). A secret on one side only fails the request with a message naming the

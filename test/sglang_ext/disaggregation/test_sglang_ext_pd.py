@@ -500,6 +500,7 @@ def _decode(name, plugin, bootstrap_port, requests, draft=False, kv="bfloat16") 
         receiver = get_kv_class(TransferBackend.MOONCAKE, KVClassType.RECEIVER)(mgr, addr, room)
         receiver.init(prefill_dp_rank=0)
         receiver.send_metadata(dst, req["aux"], [dst.copy()])
+        fuzzed = req["fuzz"](mgr, room) if "fuzz" in req else {}  # a hostile peer while the room is in flight
         if "abort_after_s" in req:
             used.update(int(d) for d in dst)
             results.append(("room", name, room, _abort_and_wait_for_drain(mgr, receiver, req, latent, dst)))
@@ -530,6 +531,7 @@ def _decode(name, plugin, bootstrap_port, requests, draft=False, kv="bfloat16") 
                     "wrong": wrong,
                     "stray": stray,
                     "seconds": round(time.monotonic() - t_room, 2),
+                    **fuzzed,
                 },
             )
         )

@@ -21,13 +21,19 @@ all N CP ranks and reports Success after all N did. The plugin adds the checks:
   needs, and never raises into SGLang's decode thread: what is wrong becomes the room's failure
   reason. The decode's status socket refuses frames past that size for its largest request
   (ZMQ_MAXMSGSIZE, `../common/conn.py`). A stock decode ignores the frame.
+- every message on a decode's status socket is checked before SGLang's decode thread parses it
+  (`../status_guard.py`: frame counts, numbers, indices against the decode's own aux buffers and
+  rooms); one with a problem is dropped and logged, so nothing a peer sends ends that thread.
+  With the secret, a status other than Success carries a status signature (keyed to its room,
+  rank, status, reason and the decode's use of the room), and a decode with the secret drops
+  one without it: a forged Failed does not fail a room either.
 
 SGLang builds these classes through `get_kv_class` (`../utils.py` returns them for Mooncake), so
 every manager, sender and receiver of a process with the plugin is one of them. Each override
 calls SGLang's method; the ledger fingerprints every SGLang method overridden here
 (`ledger.PatchPoint.overrides`). Prefill-side overrides act only on a shared-KV prefill manager
 (`owned_pages_ledger` set); decode-side ones only on rooms whose Success messages carry
-manifests, or on every room when the decode has the secret.
+manifests, or on every room when the decode has the secret; the status guard on every decode.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import (
     max_manifest_bytes,
     verify_manifests,
 )
+from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import DropLog, guard_recv, sign_status
 from sglang_nsa_cp.sglang_ext.server_args import is_enabled
 
 logger = logging.getLogger(__name__)
@@ -130,6 +137,8 @@ class OwnedPageKVManager(MooncakeKVManager):
         self.manifest_inbox = {}  # decode: (room, prefill rank) -> manifest parsed, not applied yet
         self.room_manifests = {}  # decode: room -> {prefill rank: manifest}
         self.room_expectations = {}  # decode: room -> RoomExpectation (what it asked for)
+        self.room_aux_indices = {}  # decode: room -> the aux (metadata) index it gave the prefill
+        self.dropped_messages = DropLog()  # decode: what the status guard kept from SGLang's decode thread
         self.pd_secret = auth.pd_secret()
         if is_enabled() and disaggregation_mode == DisaggregationMode.PREFILL:
             from sglang.srt.runtime_context import get_parallel
@@ -151,10 +160,15 @@ class OwnedPageKVManager(MooncakeKVManager):
             super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
 
     def _make_worker_recv(self, socket, timeout_ms=500):
-        """The receive of SGLang's worker threads on this manager's socket: on a shared-KV
-        prefill it notes the use nonce that rides on a decode's request metadata (SGLang ignores
-        the extra frame)."""
+        """The receive of SGLang's worker threads on this manager's socket. On a decode, every
+        message is checked before SGLang's decode thread parses it (`status_guard`): one with a
+        problem is dropped with a log line (at most one per 10 s) naming its claimed room and
+        prefill rank and the problem; a PULL socket cannot name the sending address. On a
+        shared-KV prefill it notes the use nonce that rides on a decode's request metadata
+        (SGLang ignores the extra frame)."""
         recv = super()._make_worker_recv(socket, timeout_ms)
+        if self.disaggregation_mode == DisaggregationMode.DECODE:
+            return guard_recv(self, recv, self.dropped_messages)
         if self.owned_pages_ledger is None:
             return recv
 
@@ -270,13 +284,19 @@ class OwnedPageKVManager(MooncakeKVManager):
             self.outgoing_manifests.pop(room, None)
 
     def _encode_kv_status_message(self, **kwargs):
-        """The manifest frame goes after the reason frame of this rank's Success message."""
+        """The manifest frame goes after the reason frame of this rank's Success message; with
+        the secret, every other status of a shared-KV rank ends with its status signature, so a
+        decode with the secret can tell it from a forged one (`status_guard`)."""
         parts = super()._encode_kv_status_message(**kwargs)
         room = kwargs.get("bootstrap_room")
         manifest = self.outgoing_manifests.get(room)
+        uses = self.destination_nonces.get(room, {}).values()
+        rank = self._prefill_unique_rank()
         if manifest is not None:
-            uses = self.destination_nonces.get(room, {}).values()
-            parts = list(parts) + [encode_manifest(manifest, room, self._prefill_unique_rank(), self.pd_secret, uses)]
+            parts = list(parts) + [encode_manifest(manifest, room, rank, self.pd_secret, uses)]
+        elif self.owned_pages_ledger is not None and self.pd_secret is not None:
+            status, reason = int(kwargs["status"]), parts[-1]  # the reason frame (kv_status_msg_carries_reason)
+            parts = list(parts) + [sign_status(self.pd_secret, room, rank, status, reason, uses)]
         return parts
 
     # ---- decode side (no flag: keyed on the manifests a shared-KV prefill sends) -------------------
@@ -366,6 +386,7 @@ class OwnedPageKVManager(MooncakeKVManager):
         self.room_manifests.pop(room, None)
         self.room_expectations.pop(room, None)
         self.room_nonces.pop(room, None)
+        self.room_aux_indices.pop(room, None)
         for key in [k for k in list(self.manifest_inbox) if k[0] == room]:
             self.manifest_inbox.pop(key, None)
 
@@ -423,6 +444,9 @@ class OwnedPageKVReceiver(MooncakeKVReceiver):
                 len(kv_indices), index_pages, int(info.attn_cp_size)
             )
         self.kv_mgr.room_nonces[self.bootstrap_room] = os.urandom(USE_NONCE_BYTES)  # this use of the room
+        aux_index = kwargs.get("aux_index", args[0] if args else None)
+        if aux_index is not None:  # the one slot a prefill may write this room's metadata to
+            self.kv_mgr.room_aux_indices[self.bootstrap_room] = int(aux_index)
         return super().send_metadata(kv_indices, *args, **kwargs)
 
     def _check_waiting_timeout(self):

@@ -1,0 +1,354 @@
+"""What SGLang's decode thread may see: every message on a decode's status socket is checked
+before SGLang parses it (`guard_recv`, installed by `OwnedPageKVManager._make_worker_recv` in
+`mooncake/conn.py`), and the status signature a shared-KV prefill adds for it.
+
+SGLang 0.5.23's decode thread (`MooncakeKVManager.start_decode_thread`) dispatches on frame 0
+and trusts the rest (docs/upstream.md, "SGLang's decode status socket trusts its peers")::
+
+    frame 0        SGLang's handler                what an unchecked peer could do
+    AUX_DATA       _handle_aux_data                write at any aux index, in any buffer; a
+                                                   non-number raises and ends the thread
+    CHUNK_READY    handle_chunk_ready              (staging) scatter any page range
+    STAGING_REQ    _handle_staging_req             no staging: an assert ends the thread;
+                                                   staging: a huge chunk index grows a list
+    ABORT_ACK      handle_abort_ack_message        (SGLang parses it safely)
+    anything else  parse_kv_status_message,        [room, status, prefill rank, reason?,
+                   apply_prefill_status            manifest?, status signature?]
+
+`decode_message_problem` names what is wrong with a message (types, frame counts, sizes, indices
+against this decode's own buffers and rooms), or None; it never raises. A message with a problem
+is dropped, as if never sent, and logged at most once per 10 s (`DropLog`; a status of a room
+no longer waiting, which a real rank's late status also is, only at debug level, as SGLang does).
+
+With SGLANG_NSA_CP_PD_SECRET, a status must also prove where it comes from: a Success by its
+manifest (keyed to its room, rank and this use of the room), any other status by a status
+signature (`sign_status`: keyed to its room, rank, status, reason and use), which a shared-KV
+prefill of the plugin appends. A forged or replayed status neither commits nor fails a room.
+Not authenticated (docs/disagg.md, "Threat model"): ABORT_ACK, and an AUX_DATA (TCP aux only) of a
+room in flight at that room's own slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from collections import deque
+
+from sglang_nsa_cp.disagg import auth
+from sglang_nsa_cp.disagg.manifest import cut
+from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import (
+    MANIFEST_TAG,
+    USE_NONCE_BYTES,
+    ManifestOfAnotherUse,
+    UnauthenticatedManifest,
+    decode_manifest,
+)
+
+logger = logging.getLogger(__name__)
+
+# Frame 0 of the messages SGLang's decode thread handles before statuses (its constants:
+# MooncakeKVManager.AUX_DATA_HEADER, common.conn.ABORT_ACK_TAG, the staging literals).
+AUX_DATA, CHUNK_READY, STAGING_REQ, ABORT_ACK = b"AUX_DATA", b"CHUNK_READY", b"STAGING_REQ", b"ABORT_ACK"
+# Last frame of a keyed non-Success status: TAG | MAC | the use nonces it answers.
+STATUS_SIGNATURE_TAG = b"nsa-cp-status/1 "
+
+ROOMS = 1 << 63  # SGLang's bootstrap rooms are 63-bit
+PREFILL_RANKS = 1 << 16  # unique ranks (tp x pp x cp) of one prefill instance, with room to spare
+MAX_DIGITS = 20
+MAX_ID_BYTES = 256  # a staging writer or session id
+MAX_REASON_BYTES = 16 << 10  # SGLang's and the plugin's reasons are a few hundred bytes
+MAX_USES = 1024  # decode destinations of one room
+STATUS_NAMES = {0: "Failed", 1: "Bootstrapping", 2: "WaitingForInput", 3: "Transferring", 4: "Success"}  # KVPoll
+SUCCESS = 4
+
+
+class _Drop(Exception):
+    """Why a message must not reach SGLang (raised by the checks below)."""
+
+    def __init__(self, reason: str, late: bool = False):
+        super().__init__(reason)
+        self.late = late
+
+
+class LateStatus(str):
+    """The problem of a status for a room not waiting on this decode: also what a real rank's
+    status looks like after its room failed or was cleared, so it is logged at debug level only,
+    as SGLang logs it."""
+
+
+def _show(frame) -> str:
+    if isinstance(frame, bytes) and frame.isdigit() and len(frame) <= MAX_DIGITS:
+        return frame.decode()
+    return cut(repr(frame), 40)
+
+
+def _frames(msg, what: str, low: int, high: int) -> None:
+    if not low <= len(msg) <= high:
+        want = low if low == high else f"{low} to {high}"
+        raise _Drop(f"{what} of {len(msg)} frames ({want} expected)")
+
+
+def _number(frame: bytes, what: str, below: int) -> int:
+    """A decimal in 0..below-1: ASCII digits only (`int` would take '-1', ' 7', '1_0', '٣')."""
+    if not frame.isdigit():
+        raise _Drop(f"{what} {_show(frame)} is not a decimal number")
+    if len(frame) > MAX_DIGITS:
+        raise _Drop(f"{what} of {len(frame)} digits (at most {MAX_DIGITS})")
+    value = int(frame)
+    if value >= below:
+        raise _Drop(f"{what} {value} is out of range (0..{below - 1})")
+    return value
+
+
+def _short_text(frame: bytes, what: str) -> None:
+    if not (len(frame) <= MAX_ID_BYTES and frame.isascii()):
+        raise _Drop(f"{what} {_show(frame)} is not short ASCII text")
+
+
+# ---- the kinds SGLang's decode thread dispatches ---------------------------------------------------
+def _aux_data(mgr, msg) -> None:
+    """[AUX_DATA, room, buffer index, aux index, >I length, data] (`send_aux_data_to_endpoint`),
+    which SGLang writes at aux_data_ptrs[buffer] + aux_item_lens[buffer] * aux index."""
+    _frames(msg, "AUX_DATA", 6, 6)
+    args = mgr.kv_args
+    room = _number(msg[1], "room", ROOMS)
+    buffer = _number(msg[2], "aux buffer index", len(args.aux_data_ptrs))
+    item_len = args.aux_item_lens[buffer]
+    slot = _number(msg[3], "aux index", args.aux_data_lens[buffer] // max(item_len, 1))
+    if len(msg[4]) != 4:
+        raise _Drop(f"a data length frame of {len(msg[4])} bytes (4 expected)")
+    (declared,) = struct.unpack(">I", msg[4])
+    if declared != len(msg[5]):
+        raise _Drop(f"{len(msg[5])} data bytes, {declared} declared")
+    if len(msg[5]) > item_len:
+        raise _Drop(f"{len(msg[5])} data bytes for an aux slot of {item_len}")
+    given = mgr.room_aux_indices.get(room)
+    if given is None:
+        raise _Drop(f"AUX_DATA for room {room}, which this decode gave no aux index")
+    if slot != given:
+        raise _Drop(f"aux index {slot}; this decode gave room {room} aux index {given}")
+
+
+def _room_pages(mgr, room: int) -> int:
+    """Pages the decode asked for in `room`, else (no record) pages of its pool."""
+    expected = mgr.room_expectations.get(room)
+    if expected is not None:
+        return expected.kv_pages
+    args = mgr.kv_args
+    return max((n // max(i, 1) for n, i in zip(args.kv_data_lens, args.kv_item_lens)), default=0)
+
+
+def _staging_on(mgr, what: str) -> None:
+    if not mgr.enable_staging:
+        raise _Drop(f"{what} on a decode without staging")
+    if mgr._staging_handler is None:
+        raise _Drop(f"{what} before this decode's staging handler exists")  # SGLang asserts
+
+
+def _staging_room(mgr, msg, what: str) -> tuple[int, int]:
+    room = _number(msg[1], "room", ROOMS)
+    if room not in mgr.request_status:
+        raise _Drop(f"{what} for room {room}, which is not waiting on this decode")
+    return room, _room_pages(mgr, room)
+
+
+def _chunk_ready(mgr, msg) -> None:
+    """[CHUNK_READY, room, chunk, page start, pages, writer id, prefill rank] (`send_chunk_ready`)."""
+    _staging_on(mgr, "CHUNK_READY")
+    _frames(msg, "CHUNK_READY", 7, 7)
+    room, pages = _staging_room(mgr, msg, "CHUNK_READY")
+    _number(msg[2], "chunk index", max(pages, 1))
+    start = _number(msg[3], "page start", max(pages, 1))
+    count = _number(msg[4], "page count", pages + 1)
+    if start + count > pages:
+        raise _Drop(f"pages {start}..{start + count - 1} of room {room}, which has {pages}")
+    _short_text(msg[5], "writer id")
+    _number(msg[6], "prefill rank", PREFILL_RANKS)
+
+
+def _staging_req(mgr, msg) -> None:
+    """[STAGING_REQ, room, chunk, pages, session id, pp rank?] (`prefetch_staging_reqs`)."""
+    _staging_on(mgr, "STAGING_REQ")
+    _frames(msg, "STAGING_REQ", 5, 6)
+    room, pages = _staging_room(mgr, msg, "STAGING_REQ")
+    _number(msg[2], "chunk index", max(pages, 1))
+    _number(msg[3], "page count", pages + 1)
+    _short_text(msg[4], "session id")
+    if len(msg) > 5:
+        _number(msg[5], "pp rank", PREFILL_RANKS)
+
+
+def _abort_ack(mgr, msg) -> None:
+    """[ABORT_ACK, room, prefill rank, generation?] (`AbortAck.to_zmq`)."""
+    _frames(msg, "ABORT_ACK", 3, 4)
+    _number(msg[1], "room", ROOMS)
+    _number(msg[2], "prefill rank", PREFILL_RANKS)
+    if len(msg) > 3:
+        _number(msg[3], "generation", 1 << 63)
+
+
+def _status(mgr, msg) -> None:
+    """[room, status, prefill rank, reason?, manifest?, status signature?]."""
+    body = msg
+    if mgr.kv_status_msg_tag is not None:
+        if msg[0] != mgr.kv_status_msg_tag:
+            raise _Drop("an untagged message")
+        body = msg[1:]
+    _frames(body, "a status", 3, 6)
+    room = _number(body[0], "room", ROOMS)
+    status = _number(body[1], "status", 1 << 8)
+    if status not in STATUS_NAMES:
+        raise _Drop(f"status {status} is not a KVPoll value")
+    rank = _number(body[2], "prefill rank", PREFILL_RANKS)
+    reason = body[3] if len(body) > 3 else b""
+    if len(reason) > MAX_REASON_BYTES:
+        raise _Drop(f"a failure reason of {len(reason)} bytes (at most {MAX_REASON_BYTES})")
+    extra = list(body[4:])
+    manifest = extra.pop(0) if extra and extra[0].startswith(MANIFEST_TAG) else None
+    signature = extra.pop() if extra and extra[-1].startswith(STATUS_SIGNATURE_TAG) else None
+    if extra:
+        raise _Drop(f"a status frame {_show(extra[0])} that is neither a manifest nor a status signature")
+    name = STATUS_NAMES[status]
+    if manifest is not None and status != SUCCESS:
+        raise _Drop(f"a manifest on a {name} status")
+    if room not in mgr.request_status:
+        raise _Drop(f"a {name} status for room {room}, which is not waiting on this decode", late=True)
+    if mgr.pd_secret is not None:
+        _authenticate(mgr, room, status, rank, reason, manifest, signature)
+
+
+def _authenticate(mgr, room, status, rank, reason, manifest, signature) -> None:
+    """With the secret: a Success by its manifest, anything else by its status signature."""
+    use = mgr.room_nonces.get(room)
+    if status != SUCCESS:
+        if signature is None:
+            raise _Drop(
+                f"an unsigned {STATUS_NAMES[status]} status (with SGLANG_NSA_CP_PD_SECRET set here, every "
+                "prefill must run the plugin with shared KV and the same secret)"
+            )
+        problem = status_signature_problem(signature, mgr.pd_secret, room, rank, status, reason, use)
+        if problem is not None:
+            raise _Drop(problem)
+        return
+    expected = mgr.room_expectations.get(room)
+    if expected is None:
+        raise _Drop(f"a Success for room {room}, whose pages this decode did not ask for")
+    if manifest is None:
+        raise _Drop("a Success without an owned-page manifest")
+    try:
+        decode_manifest(
+            manifest, room=room, prefill_rank=rank, secret=mgr.pd_secret, max_pages=expected.max_pages, use=use
+        )
+    except ManifestOfAnotherUse as e:
+        raise _Drop(f"a replay: {e}") from None
+    except UnauthenticatedManifest as e:
+        raise _Drop(cut(str(e), 300)) from None
+    except ValueError:
+        pass  # keyed by that rank, but malformed: the plugin's parser makes it the room's failure reason
+
+
+_CHECKS = {AUX_DATA: _aux_data, CHUNK_READY: _chunk_ready, STAGING_REQ: _staging_req, ABORT_ACK: _abort_ack}
+# (room frame, prefill rank frame) of each kind, for the log line
+_ORIGIN = {AUX_DATA: (1, None), CHUNK_READY: (1, 6), STAGING_REQ: (1, None), ABORT_ACK: (1, 2)}
+
+
+def decode_message_problem(mgr, msg) -> str | None:
+    """Why SGLang's decode thread must not see `msg` (a multipart message from the decode
+    manager `mgr`'s status socket), or None. Never raises."""
+    try:
+        if not msg:
+            return "an empty message"
+        if not all(isinstance(frame, bytes) for frame in msg):
+            return "a frame that is not bytes"
+        _CHECKS.get(msg[0], _status)(mgr, msg)
+    except _Drop as drop:
+        return LateStatus(drop) if drop.late else str(drop)
+    except Exception as e:  # a gap in these checks must not end SGLang's decode thread either
+        return cut(f"the status guard could not check it ({type(e).__name__}: {e})", 300)
+    return None
+
+
+def claimed_origin(msg) -> str:
+    """What a message says it is and where it comes from. A PULL socket cannot name the sending
+    address, so this is the message's own claim (room, prefill rank), not proof."""
+    try:
+        kind = msg[0] if msg[0] in _ORIGIN else b""
+        room_at, rank_at = _ORIGIN.get(kind, (0, 2))
+        room = _show(msg[room_at]) if room_at < len(msg) else "?"
+        rank = f" from prefill rank {_show(msg[rank_at])}" if rank_at is not None and rank_at < len(msg) else ""
+        return f"{kind.decode() or 'a status'} claiming room {room}{rank}"
+    except (IndexError, TypeError, AttributeError):
+        return "an unreadable message"
+
+
+class DropLog:
+    """The messages a decode's guard dropped: a count, the last few (origin, reason), and at most
+    one warning line per `interval_s` however many come (a `LateStatus` only at debug level)."""
+
+    def __init__(self, interval_s: float = 10.0, clock=time.monotonic):
+        self.count = 0
+        self.recent = deque(maxlen=64)
+        self.interval_s, self._clock, self._last_line = interval_s, clock, None
+
+    def note(self, origin: str, reason: str) -> None:
+        self.count += 1
+        self.recent.append((origin, reason))
+        if isinstance(reason, LateStatus):
+            logger.debug("dropped %s: %s", origin, reason)
+            return
+        now = self._clock()
+        if self._last_line is None or now - self._last_line >= self.interval_s:
+            self._last_line = now
+            logger.warning(
+                "dropped a message on the decode's status socket (%d so far), %s: %s (the sender's "
+                "address is unknown: a ZMQ PULL socket does not name it)",
+                self.count,
+                origin,
+                reason,
+            )
+
+
+def guard_recv(mgr, recv, drops: DropLog):
+    """SGLang's decode-thread receive `recv`, returning None (which the thread skips) for a
+    message with a problem."""
+
+    def recv_checked():
+        msg = recv()
+        if msg is None:
+            return None
+        problem = decode_message_problem(mgr, msg)
+        if problem is None:
+            return msg
+        drops.note(claimed_origin(msg), problem)
+        return None
+
+    return recv_checked
+
+
+# ---- the status signature --------------------------------------------------------------------------
+def _status_mac_input(room: int, prefill_rank: int, status: int, reason: bytes, uses: bytes) -> tuple[bytes, bytes]:
+    label = f"nsa-cp-status|{room}|{prefill_rank}|{status}".encode()
+    return label, b"%d|" % (len(uses) // USE_NONCE_BYTES) + uses + reason
+
+
+def sign_status(secret: bytes, room: int, prefill_rank: int, status: int, reason: bytes, uses) -> bytes:
+    """TAG | HMAC(secret, room, rank, status, uses, reason) | the uses (nonces the room's decode
+    destinations sent), appended by a keyed shared-KV prefill to each status without a manifest."""
+    joined = b"".join(sorted(uses))
+    label, body = _status_mac_input(room, prefill_rank, status, reason, joined)
+    return STATUS_SIGNATURE_TAG + auth.sign(secret, label, body) + joined
+
+
+def status_signature_problem(frame, secret, room, prefill_rank, status, reason, use) -> str | None:
+    """None if `frame` signs this status for `use` (this decode's nonce of the room; None: any)."""
+    rest = frame[len(STATUS_SIGNATURE_TAG) :]
+    mac, uses = rest[: auth.MAC_BYTES], rest[auth.MAC_BYTES :]
+    if len(mac) != auth.MAC_BYTES or len(uses) % USE_NONCE_BYTES or len(uses) > MAX_USES * USE_NONCE_BYTES:
+        return f"a malformed status signature of {len(frame)} bytes"
+    label, body = _status_mac_input(room, prefill_rank, status, reason, uses)
+    if (problem := auth.verify(secret, label, body, mac)) is not None:
+        return f"status signature: {problem}"
+    if use is not None and use not in {uses[i : i + USE_NONCE_BYTES] for i in range(0, len(uses), USE_NONCE_BYTES)}:
+        return f"a replay: a {STATUS_NAMES[status]} status of room {room} that answers another use of the room"
+    return None

@@ -1,0 +1,511 @@
+"""CPU, ~1-2 min (one PD run of 3 processes, each importing SGLang; the rest in process, seconds):
+the guard on a decode's status socket (sglang_ext/disaggregation/status_guard.py).
+
+SGLang 0.5.23's decode thread trusts every message on that socket: an AUX_DATA with an aux index
+past its buffer writes the sender's bytes into whatever memory follows, and one with a
+non-number, or a STAGING_REQ on a decode without staging, raises and ends the thread, after which
+every room waits until it times out (docs/upstream.md). Checked here:
+
+- in process, a table of hostile messages of every kind the thread dispatches (AUX_DATA,
+  CHUNK_READY, STAGING_REQ, ABORT_ACK, statuses; bad indices, wrong types, wrong frame counts,
+  oversize, forged and replayed statuses with the secret) each gives its reason, plus seeded
+  mutations of each kind; good messages pass;
+- SGLang's real decode thread (`MooncakeKVManager.start_decode_thread`) on a real socket: behind
+  the guard it drops every one of them, writes nothing out of place and still commits a room;
+  without it (SGLang's own manager) an aux index past the end writes into the next buffer and
+  each of four messages ends the thread (the control);
+- the real thing, in `test_sglang_ext_pd.py`'s harness (2 prefill CP ranks, a plugin decode built
+  by `DecodePreallocQueue._init_kv_manager`, Mooncake TCP on 127.0.0.1, the secret set): the
+  fuzz hits the decode's status socket while a room is in flight, the room still commits byte
+  exact, a rank's signed Failed still fails the next with its reason, the one after commits.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import ctypes  # noqa: E402
+import logging  # noqa: E402
+import random  # noqa: E402
+import struct  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+from typing import NamedTuple  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
+
+register_cpu_ci(est_time=100, suite="nsa-cp-test-cpu")
+
+SECRET = b"status-guard-test-secret-0123456789"
+ROOM, AUX_INDEX = 7, 3  # the room in flight and the aux slot this decode gave it
+NOW, EARLIER = b"n" * 16, b"e" * 16  # this use's nonce, an earlier use's
+ITEM_LENS, SLOTS = (8, 4), 16  # the in-process decode's two aux buffers: 16 slots of 8 and of 4 bytes
+NEIGHBOR_BYTES = 256  # what lies after them in memory
+
+
+class Case(NamedTuple):
+    name: str
+    msg: list
+    reason: str  # a piece of the reason the guard must give
+    needs: str = "any"  # "secret": hostile only to a decode with the secret; "staging": only with staging on
+
+
+def _aux(room, buffer, index, data, declared=None):
+    return [b"AUX_DATA", b"%d" % room, b"%d" % buffer, index, struct.pack(">I", len(data) if declared is None else declared), data]  # fmt: skip
+
+
+def _status(room, status, rank, *extra):
+    return [b"%d" % room, b"%d" % status, b"%d" % rank, *extra]
+
+
+def _claims(rank, pages=4):
+    from sglang_nsa_cp.disagg import PageClaims
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import RankClaims
+
+    positions = tuple(range(rank, pages, 2))
+    claims = PageClaims(rank, 2, pages, positions, tuple(10 + k for k in positions))
+    return RankClaims(kv=claims, index=claims)
+
+
+def hostile_messages(room, aux_index, kv_args, pages=4, use=NOW) -> list[Case]:
+    """Messages SGLang's decode thread must never see, for a decode whose room `room` is in flight
+    (aux slot `aux_index`, `pages` pages from 2 CP ranks, nonce `use`) and whose aux buffers are
+    `kv_args`'. Rooms other than `room` are not waiting on it."""
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import encode_manifest
+    from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import sign_status
+
+    item, slots, buffers = kv_args.aux_item_lens[0], kv_args.aux_data_lens[0] // kv_args.aux_item_lens[0], len(kv_args.aux_data_ptrs)  # fmt: skip
+    data, idx, other = b"\xab" * item, b"%d" % aux_index, room + 10**6
+    good_aux = _aux(room, 0, idx, data)
+    manifest = encode_manifest(_claims(1, pages), room, 1, SECRET, uses=[use])
+    failed = _status(room, 0, 1, b"rank 1 failed")
+    chunk = [b"CHUNK_READY", b"%d" % room, b"0", b"0", b"1", b"writer", b"0"]
+    staging = [b"STAGING_REQ", b"%d" % room, b"0", b"1", b"session"]
+    return [
+        # AUX_DATA: SGLang writes data at aux_data_ptrs[buffer] + item_len * index, unchecked
+        Case("aux index one past the buffer", _aux(room, 0, b"%d" % slots, data), f"aux index {slots} is out of range (0..{slots - 1})"),  # fmt: skip
+        Case("aux index far past the buffer", _aux(room, 0, b"1000000000", data), "aux index 1000000000 is out of range"),
+        Case("negative aux index", _aux(room, 0, b"-1", data), "aux index b'-1' is not a decimal number"),
+        Case("aux index not a number", _aux(room, 0, b"three", data), "is not a decimal number"),
+        Case("aux index int() takes: '0_3'", _aux(room, 0, b"0_3", data), "is not a decimal number"),
+        Case("aux index int() takes: ' 3'", _aux(room, 0, b" 3", data), "is not a decimal number"),
+        Case("aux index in Arabic-Indic digits", _aux(room, 0, "٣".encode(), data), "is not a decimal number"),
+        Case("aux index of 25 digits", _aux(room, 0, b"9" * 25, data), "aux index of 25 digits"),
+        Case("aux buffer index past the buffers", _aux(room, buffers, idx, data), f"aux buffer index {buffers} is out of range"),  # fmt: skip
+        Case("AUX_DATA room not a number", [b"AUX_DATA", b"seven", *good_aux[2:]], "room b'seven' is not a decimal number"),
+        Case("AUX_DATA of 1 frame", [b"AUX_DATA"], "AUX_DATA of 1 frames (6 expected)"),
+        Case("AUX_DATA of 5 frames", good_aux[:5], "AUX_DATA of 5 frames (6 expected)"),
+        Case("AUX_DATA of 7 frames", good_aux + [b""], "AUX_DATA of 7 frames (6 expected)"),
+        Case("length frame of 3 bytes", good_aux[:4] + [b"\x00\x00\x08", data], "a data length frame of 3 bytes"),
+        Case("declared length differs", _aux(room, 0, idx, data, declared=item + 1), f"{item} data bytes, {item + 1} declared"),  # fmt: skip
+        Case("oversized aux data", _aux(room, 0, idx, data + b"\xab" * 4096), f"{item + 4096} data bytes for an aux slot of {item}"),  # fmt: skip
+        Case("another slot than the room's", _aux(room, 0, b"%d" % ((aux_index + 1) % slots), data), f"this decode gave room {room} aux index {aux_index}"),  # fmt: skip
+        Case("AUX_DATA for a room not asked for", _aux(other, 0, idx, data), f"AUX_DATA for room {other}, which this decode gave no aux index"),  # fmt: skip
+        # CHUNK_READY and STAGING_REQ: staging messages (SGLang asserts on a STAGING_REQ without staging)
+        Case("CHUNK_READY without staging", chunk, "CHUNK_READY on a decode without staging"),
+        Case("CHUNK_READY garbage without staging", [b"CHUNK_READY", b"\xff"], "CHUNK_READY on a decode without staging"),
+        Case("STAGING_REQ without staging", staging, "STAGING_REQ on a decode without staging"),
+        Case("STAGING_REQ of 1 frame without staging", [b"STAGING_REQ"], "STAGING_REQ on a decode without staging"),
+        Case("CHUNK_READY pages past the room", chunk[:3] + [b"3", b"2"] + chunk[5:], f"pages 3..4 of room {room}, which has {pages}", "staging"),  # fmt: skip
+        Case("CHUNK_READY chunk not a number", chunk[:2] + [b"x"] + chunk[3:], "chunk index b'x' is not a decimal number", "staging"),  # fmt: skip
+        Case("CHUNK_READY of 6 frames", chunk[:6], "CHUNK_READY of 6 frames (7 expected)", "staging"),
+        Case("CHUNK_READY writer id not ASCII", chunk[:5] + [b"\xff" * 8, b"0"], "writer id", "staging"),
+        Case("CHUNK_READY for a room not waiting", [chunk[0], b"%d" % other, *chunk[2:]], "which is not waiting on this decode", "staging"),  # fmt: skip
+        Case("STAGING_REQ chunk index 10^12", staging[:2] + [b"1000000000000"] + staging[3:], "chunk index 1000000000000 is out of range", "staging"),  # fmt: skip
+        Case("STAGING_REQ pages past the room", staging[:3] + [b"%d" % (pages + 1)] + staging[4:], f"page count {pages + 1} is out of range", "staging"),  # fmt: skip
+        Case("STAGING_REQ of 4 frames", staging[:4], "STAGING_REQ of 4 frames (5 to 6 expected)", "staging"),
+        # ABORT_ACK
+        Case("ABORT_ACK of 1 frame", [b"ABORT_ACK"], "ABORT_ACK of 1 frames (3 to 4 expected)"),
+        Case("ABORT_ACK of 5 frames", [b"ABORT_ACK", b"%d" % room, b"0", b"1", b"1"], "ABORT_ACK of 5 frames"),
+        Case("ABORT_ACK room not a number", [b"ABORT_ACK", b"\x00", b"0", b"1"], "room b'\\x00' is not a decimal number"),
+        Case("ABORT_ACK negative generation", [b"ABORT_ACK", b"%d" % room, b"0", b"-5"], "generation b'-5' is not a decimal number"),  # fmt: skip
+        # statuses: [room, status, prefill rank, reason?, manifest?, status signature?]
+        Case("status of 1 frame", [b"%d" % room], "a status of 1 frames (3 to 6 expected)"),
+        Case("status of 2 frames", [b"%d" % room, b"4"], "a status of 2 frames (3 to 6 expected)"),
+        Case("status of 7 frames", failed + [b""] * 3, "a status of 7 frames"),
+        Case("room not ASCII", [b"\xff\xfe", b"4", b"0"], "room b'\\xff\\xfe' is not a decimal number"),  # fmt: skip
+        Case("status not a number", [b"%d" % room, b"Success", b"0"], "status b'Success' is not a decimal number"),
+        Case("status not a KVPoll value", _status(room, 9, 0), "status 9 is not a KVPoll value"),
+        Case("status past a byte", _status(room, 300, 0), "status 300 is out of range (0..255)"),
+        Case("room past 63 bits", [b"9" * 19, b"4", b"0"], "room 9999999999999999999 is out of range"),
+        Case("room of 5000 digits", [b"9" * 5000, b"4", b"0"], "room of 5000 digits"),
+        Case("prefill rank 2^20", _status(room, 4, 1 << 20), "prefill rank 1048576 is out of range (0..65535)"),
+        Case("status for a room not waiting", _status(other, 0, 0, b"forged"), f"a Failed status for room {other}, which is not waiting on this decode"),  # fmt: skip
+        Case("oversized reason", _status(room, 0, 0, b"x" * (20 << 10)), "a failure reason of 20480 bytes"),
+        Case("unknown extra frame", _status(room, 0, 0, b"", b"extra"), "neither a manifest nor a status signature"),
+        Case("manifest on a Failed", _status(room, 0, 1, b"", manifest), "a manifest on a Failed status"),
+        # with the secret: a Success proves itself by its manifest, anything else by its signature
+        Case("Success without a manifest", _status(room, 4, 1, b""), "a Success without an owned-page manifest", "secret"),  # fmt: skip
+        Case("Success, manifest of another key", _status(room, 4, 1, b"", encode_manifest(_claims(1, pages), room, 1, b"k" * 32, uses=[use])), "bad MAC", "secret"),  # fmt: skip
+        Case("Success, unsigned manifest", _status(room, 4, 1, b"", encode_manifest(_claims(1, pages), room, 1, None, uses=[use])), "does not sign", "secret"),  # fmt: skip
+        Case("Success, manifest of rank 0 as rank 1", _status(room, 4, 1, b"", encode_manifest(_claims(0, pages), room, 0, SECRET, uses=[use])), "bad MAC", "secret"),  # fmt: skip
+        Case("Success replayed from an earlier use", _status(room, 4, 1, b"", encode_manifest(_claims(1, pages), room, 1, SECRET, uses=[EARLIER])), "a replay", "secret"),  # fmt: skip
+        Case("Failed, unsigned", failed, "an unsigned Failed status", "secret"),
+        Case("Failed, signed with another key", failed + [sign_status(b"k" * 32, room, 1, 0, failed[3], [use])], "bad MAC", "secret"),  # fmt: skip
+        Case("Failed, reason altered", failed + [sign_status(SECRET, room, 1, 0, b"other reason", [use])], "bad MAC", "secret"),  # fmt: skip
+        Case("Failed, signature of a WaitingForInput", failed + [sign_status(SECRET, room, 1, 2, failed[3], [use])], "bad MAC", "secret"),  # fmt: skip
+        Case("Failed, signed as rank 0", failed + [sign_status(SECRET, room, 0, 0, failed[3], [use])], "bad MAC", "secret"),  # fmt: skip
+        Case("Failed replayed from an earlier use", failed + [sign_status(SECRET, room, 1, 0, failed[3], [EARLIER])], "a replay: a Failed status", "secret"),  # fmt: skip
+        Case("Failed, signature cut short", failed + [sign_status(SECRET, room, 1, 0, failed[3], [use])[:-5]], "a malformed status signature", "secret"),  # fmt: skip
+    ]  # fmt: skip
+
+
+def good_messages(room, aux_index, kv_args, pages=4, secret=None) -> dict[str, list]:
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import encode_manifest
+    from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import sign_status
+
+    reason = b"rank 1 failed"
+    return {
+        "AUX_DATA of the room's slot": _aux(room, 0, b"%d" % aux_index, b"\x11" * kv_args.aux_item_lens[0]),
+        "AUX_DATA, the last buffer": _aux(room, len(kv_args.aux_data_ptrs) - 1, b"%d" % aux_index, b"\x22"),
+        "ABORT_ACK": [b"ABORT_ACK", b"%d" % room, b"1", b"5"],
+        "generation-less ABORT_ACK": [b"ABORT_ACK", b"%d" % room, b"1"],
+        "Success of rank 0": _status(room, 4, 0, b"", encode_manifest(_claims(0, pages), room, 0, secret, uses=[NOW])),
+        "Success of rank 1, two destinations": _status(
+            room, 4, 1, b"", encode_manifest(_claims(1, pages), room, 1, secret, uses=[EARLIER, NOW])
+        ),
+        "Failed": _status(room, 0, 1, reason, *([sign_status(secret, room, 1, 0, reason, [NOW])] if secret else [])),
+    }
+
+
+KINDS = (b"AUX_DATA", b"CHUNK_READY", b"STAGING_REQ", b"ABORT_ACK")  # frame 0; anything else is a status
+
+
+def kind(msg) -> str:
+    return msg[0].decode() if msg[0] in KINDS else "status"
+
+
+_HOSTILE_FRAMES = [b"", b"-1", b"x", b"\xff\xfe", b"9" * 25, b"1_0", b" 1", b"1.0", b"0x1f", "٣".encode(), b"\x00" * 9]
+
+
+def mutated_messages(room, kv_args, per_kind=30, seed=0) -> list[list]:
+    """`per_kind` seeded mutations of a well-formed message of each kind, each for `room`, which
+    must not be waiting on the decode (so none can be right): a frame replaced by a hostile value,
+    dropped, or a hostile frame appended."""
+    rng = random.Random(seed)
+    templates = [
+        _aux(room, 0, b"0", b"\x33" * kv_args.aux_item_lens[0]),
+        [b"CHUNK_READY", b"%d" % room, b"0", b"0", b"1", b"writer", b"0"],
+        [b"STAGING_REQ", b"%d" % room, b"0", b"1", b"session", b"0"],
+        [b"ABORT_ACK", b"%d" % room, b"1"],
+        _status(room, 0, 1, b"reason"),
+    ]
+    out = []
+    for template in templates:
+        for _ in range(per_kind):
+            msg, op, at = list(template), rng.randrange(3), rng.randrange(len(template))
+            if op == 0:
+                msg[at] = rng.choice(_HOSTILE_FRAMES)
+            elif op == 1 and len(msg) > 1:
+                del msg[at]
+            else:
+                msg.append(rng.choice(_HOSTILE_FRAMES))
+            out.append(msg)
+    return out
+
+
+# ---- a decode manager in process ---------------------------------------------------------------------
+class _AuxBuffers:
+    """Two aux buffers of SLOTS slots (ITEM_LENS bytes each) and, after them in the same memory,
+    a neighbor region standing for whatever tensor the allocator put next."""
+
+    def __init__(self):
+        sizes = [SLOTS * n for n in ITEM_LENS]
+        self.backing = np.zeros(sum(sizes) + NEIGHBOR_BYTES, dtype=np.uint8)
+        base = self.backing.ctypes.data
+        self.kv_args = SimpleNamespace(
+            aux_data_ptrs=[base, base + sizes[0]], aux_data_lens=sizes, aux_item_lens=list(ITEM_LENS),
+            kv_data_lens=[64 * 1024], kv_item_lens=[1024],
+        )  # fmt: skip
+        self.neighbor = self.backing[sum(sizes) :]
+
+    def slot(self, buffer, index):
+        start = self.kv_args.aux_data_ptrs[buffer] - self.backing.ctypes.data + index * ITEM_LENS[buffer]
+        return self.backing[start : start + ITEM_LENS[buffer]]
+
+
+def _manager(secret=None, staging=False, stock=False, aux=None):
+    """A decode manager of the plugin (SGLang's, `stock`) with the state SGLang's decode thread and
+    the guard read, and room ROOM in flight: aux slot AUX_INDEX, 4 pages from 2 CP ranks, nonce NOW."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn import OwnedPageKVManager
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import RoomExpectation
+    from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import DropLog
+
+    aux = aux or _AuxBuffers()
+    mgr = object.__new__(MooncakeKVManager if stock else OwnedPageKVManager)
+    mgr.__dict__.update(
+        disaggregation_mode=DisaggregationMode.DECODE, kv_args=aux.kv_args, kv_status_msg_tag=None,
+        request_status={ROOM: KVPoll.WaitingForInput}, prefill_response_tracker={ROOM: set()},
+        required_prefill_response_num_table={ROOM: 2}, failure_records={}, failure_lock=threading.Lock(),
+        enable_staging=staging, _staging_handler=object() if staging else None, defer_decode_allocation=False,
+        deferred_bootstrap=None, enable_deferred_decode_kv_release=False, _deferred_abort_ack_tracker={},
+        _deferred_ack_targets={}, _deferred_ack_poisoned_rooms=set(), _staging_outstanding={},
+        owned_pages_ledger=None, outgoing_manifests={}, manifest_inbox={}, room_manifests={},
+        room_expectations={ROOM: RoomExpectation(4, 4, 2)}, room_nonces={ROOM: NOW}, room_aux_indices={ROOM: AUX_INDEX},
+        destination_nonces={}, pd_secret=secret, dropped_messages=DropLog(),
+    )  # fmt: skip
+    return mgr
+
+
+def test_every_hostile_message_gets_its_reason():
+    """Each hostile message -> its reason, within 50 ms, for the decode configuration it is hostile
+    to; good messages of every kind -> None, with and without the secret."""
+    from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import decode_message_problem
+
+    aux = _AuxBuffers()
+    cases = hostile_messages(ROOM, AUX_INDEX, aux.kv_args)
+    kinds = {kind(c.msg) for c in cases}
+    assert len(cases) >= 30 and len(kinds) == 5, (len(cases), kinds)
+    for case in cases:
+        mgr = _manager(secret=SECRET if case.needs == "secret" else None, staging=case.needs == "staging", aux=aux)
+        start = time.monotonic()
+        problem = decode_message_problem(mgr, case.msg)
+        assert time.monotonic() - start < 0.05, case.name
+        assert problem is not None and case.reason in problem, f"{case.name}: {problem!r}"
+        if case.needs == "secret":  # without the secret SGLang's rule applies: not the guard's business
+            assert decode_message_problem(_manager(aux=aux), case.msg) is None, case.name
+    for secret in (None, SECRET):
+        for name, msg in good_messages(ROOM, AUX_INDEX, aux.kv_args, secret=secret).items():
+            assert decode_message_problem(_manager(secret=secret, aux=aux), msg) is None, (name, secret)
+    assert decode_message_problem(_manager(), []) == "an empty message"
+    assert decode_message_problem(_manager(), [b"7", "4", b"0"]) == "a frame that is not bytes"
+
+
+def test_mutations_of_every_kind_are_dropped():
+    from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import decode_message_problem
+
+    aux = _AuxBuffers()
+    for staging in (False, True):
+        mgr = _manager(secret=SECRET, staging=staging, aux=aux)
+        for msg in mutated_messages(ROOM + 1, aux.kv_args):
+            assert decode_message_problem(mgr, msg) is not None, (staging, msg)
+
+
+def test_status_names_are_sglangs_kvpoll():
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import STATUS_NAMES
+
+    assert STATUS_NAMES == {getattr(KVPoll, n): n for n in vars(KVPoll) if not n.startswith("_")}
+
+
+def test_a_shared_kv_prefill_signs_what_the_guard_checks():
+    """The prefill side of the status signature: a shared-KV rank with the secret signs every
+    status it sends without a manifest, for the uses it was asked for; the decode's guard takes
+    it, and not once its reason or status is changed."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn import OwnedPageKVManager
+    from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import decode_message_problem
+
+    prefill = object.__new__(OwnedPageKVManager)
+    prefill.__dict__.update(
+        kv_status_msg_tag=None, kv_status_msg_carries_reason=True, owned_pages_ledger=object(), outgoing_manifests={},
+        destination_nonces={ROOM: {"session": NOW}}, pd_secret=SECRET, attn_tp_rank=0, pp_size=1, attn_cp_size=2,
+        pp_rank=0, attn_cp_rank=1,
+    )  # fmt: skip
+    msg = prefill._encode_kv_status_message(bootstrap_room=ROOM, status=KVPoll.Failed, failure_reason="lost page 3")
+    assert len(msg) == 5 and msg[:4] == [b"7", b"0", b"1", b"lost page 3"], msg
+    decode = _manager(secret=SECRET)
+    assert decode_message_problem(decode, msg) is None
+    assert "bad MAC" in decode_message_problem(decode, msg[:3] + [b"no page lost"] + msg[4:])
+    assert "bad MAC" in decode_message_problem(decode, [msg[0], b"2", *msg[2:]])
+    decode.room_nonces[ROOM] = b"x" * 16  # a later use of the room
+    assert "a replay" in decode_message_problem(decode, msg)
+    prefill.pd_secret = None
+    assert len(prefill._encode_kv_status_message(bootstrap_room=ROOM, status=KVPoll.Failed, failure_reason="r")) == 4
+
+
+def test_drops_are_logged_at_most_once_per_10_s_with_the_claimed_origin(caplog):
+    from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import DropLog, claimed_origin, decode_message_problem
+
+    now = [0.0]
+    drops = DropLog(clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="sglang_nsa_cp.sglang_ext.disaggregation.status_guard"):
+        for t in (0.0, 1.0, 9.9, 10.0, 12.0):
+            now[0] = t
+            drops.note(claimed_origin(_status(5, 0, 3)), "an unsigned Failed status")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and drops.count == 5, lines
+    assert "(4 so far), a status claiming room 5 from prefill rank 3: an unsigned Failed status" in lines[1], lines[1]
+    assert "does not name it" in lines[0]
+    now[0] = 30.0  # a real rank's status after its room failed: counted, not a warning
+    drops.note(claimed_origin(_status(5, 4, 1)), decode_message_problem(_manager(), _status(5, 4, 1)))
+    assert drops.count == 6 and len(caplog.records) == 2, [r.getMessage() for r in caplog.records]
+    assert claimed_origin(_aux(5, 0, b"1", b"x")) == "AUX_DATA claiming room 5"
+    assert claimed_origin([b"ABORT_ACK", b"\xff" * 100, b"2"]).startswith("ABORT_ACK claiming room b'")
+
+
+# ---- SGLang's real decode thread on a real socket ------------------------------------------------------
+class _DecodeThread:
+    """SGLang's `MooncakeKVManager.start_decode_thread` on `mgr`, reading a PULL socket on
+    127.0.0.1 (its poll-based receive: role switching on, so it can stop); `push` sends to it."""
+
+    def __init__(self, mgr):
+        import zmq
+        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+        self.ctx, self.mgr = zmq.Context(), mgr
+        pull = self.ctx.socket(zmq.PULL)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        mgr.__dict__.update(server_socket=pull, _stopped=False, _worker_threads=[],
+                            server_args=SimpleNamespace(enable_pd_role_switch=True))  # fmt: skip
+        mgr._start_heartbeat_checker_thread = lambda: threading.Thread(target=lambda: None)
+        MooncakeKVManager.start_decode_thread(mgr)
+        self.thread = mgr._worker_threads[0]
+        self.sock = self.ctx.socket(zmq.PUSH)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+
+    def push(self, messages):
+        for msg in messages:
+            self.sock.send_multipart(msg)
+
+    def close(self):
+        self.mgr._stopped = True
+        self.thread.join(timeout=5)
+        self.sock.close(linger=0)
+        self.mgr.server_socket.close(linger=0)
+        self.ctx.term()
+
+
+def _wait_for(done, what, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_behind_the_guard_sglangs_decode_thread_drops_the_fuzz_and_still_commits():
+    """Every hostile message and mutation for a decode with the secret, pushed to SGLang's running
+    decode thread: all dropped, nothing written to any aux slot or past the buffers; then the room's
+    metadata lands in its slot and its two manifests commit it, so the thread is alive."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    aux = _AuxBuffers()
+    mgr = _manager(secret=SECRET, aux=aux)
+    hostile = [c.msg for c in hostile_messages(ROOM, AUX_INDEX, aux.kv_args) if c.needs in ("any", "secret")]
+    hostile += mutated_messages(ROOM + 1, aux.kv_args)
+    decode = _DecodeThread(mgr)
+    try:
+        decode.push(hostile)
+        _wait_for(lambda: mgr.dropped_messages.count == len(hostile), f"{mgr.dropped_messages.count} of {len(hostile)} dropped")  # fmt: skip
+        assert decode.thread.is_alive() and not aux.backing.any(), "a hostile message got through"
+        good = good_messages(ROOM, AUX_INDEX, aux.kv_args, secret=SECRET)
+        decode.push([good["AUX_DATA of the room's slot"], good["Success of rank 0"], good["Success of rank 1, two destinations"]])  # fmt: skip
+        _wait_for(lambda: mgr.request_status[ROOM] == KVPoll.Success, f"room {ROOM}: {mgr.request_status[ROOM]}, {mgr.failure_records}")  # fmt: skip
+        assert bytes(aux.slot(0, AUX_INDEX)) == b"\x11" * ITEM_LENS[0] and int(aux.backing.astype(bool).sum()) == ITEM_LENS[0]  # fmt: skip
+        assert decode.thread.is_alive() and mgr.dropped_messages.count == len(hostile)
+    finally:
+        decode.close()
+
+
+KILLERS = {
+    "AUX_DATA room not a number": [b"AUX_DATA", b"seven", b"0", b"3", struct.pack(">I", 1), b"x"],
+    "AUX_DATA of 4 frames": [b"AUX_DATA", b"7", b"0", b"3"],
+    "AUX_DATA buffer index past the buffers": _aux(ROOM, 2, b"3", b"x"),
+    "STAGING_REQ without staging": [b"STAGING_REQ", b"7", b"0", b"1", b"session"],
+}
+
+
+@pytest.mark.parametrize("killer", sorted(KILLERS))
+def test_without_the_guard_one_message_writes_past_the_buffer_and_one_ends_the_thread(killer, monkeypatch):
+    """The control, SGLang's own decode manager: an AUX_DATA at the aux index one past the last
+    slot writes its bytes into the memory after the buffer; `killer` raises in the decode thread,
+    which ends it, and the room's Success then goes unread."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_type.__name__))
+    aux = _AuxBuffers()
+    mgr = _manager(stock=True, aux=aux)
+    decode = _DecodeThread(mgr)
+    try:
+        decode.push([_aux(ROOM, 1, b"%d" % SLOTS, b"\xee" * ITEM_LENS[1])])
+        _wait_for(lambda: aux.neighbor[: ITEM_LENS[1]].all(), "the write past the buffer")
+        assert decode.thread.is_alive()
+        decode.push([KILLERS[killer]])
+        _wait_for(lambda: not decode.thread.is_alive(), f"{killer}: the thread survived")
+        decode.push([_status(ROOM, 4, 0), _status(ROOM, 4, 1)])
+        time.sleep(0.3)
+        assert mgr.request_status[ROOM] == KVPoll.WaitingForInput and raised, raised
+    finally:
+        decode.close()
+
+
+# ---- the real thing: test_sglang_ext_pd.py's harness ------------------------------------------------
+def fuzz_status_socket(mgr, room) -> dict:
+    """Runs in the harness's decode process right after `room`'s metadata went out (its pages
+    still in flight: a prefill rank's first write waits). Pushes every hostile message for this
+    decode (it has the secret) and the mutations to its status socket, waits until the guard
+    dropped them all, and reports what changed."""
+    import zmq
+
+    args = mgr.kv_args
+    slots = [bytes((ctypes.c_char * n).from_address(p)) for p, n in zip(args.aux_data_ptrs, args.aux_data_lens)]
+    pages, use = mgr.room_expectations[room].kv_pages, mgr.room_nonces[room]
+    cases = [c for c in hostile_messages(room, mgr.room_aux_indices[room], args, pages, use) if c.needs != "staging"]
+    hostile = [c.msg for c in cases] + mutated_messages(room + 10**6, args)
+    before = mgr.dropped_messages.count
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"tcp://{mgr.local_ip}:{mgr.rank_port}")
+    for msg in hostile:
+        push.send_multipart(msg)
+    deadline = time.monotonic() + 30
+    while mgr.dropped_messages.count - before < len(hostile) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    push.close(linger=0)
+    ctx.term()
+    own = mgr.room_aux_indices[room]  # the real prefill may be writing this room's slot by now
+    changed = []
+    for b, (p, n, item) in enumerate(zip(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)):
+        now = bytes((ctypes.c_char * n).from_address(p))
+        changed += [(b, s) for s in range(n // item) if s != own and now[s * item : (s + 1) * item] != slots[b][s * item : (s + 1) * item]]  # fmt: skip
+    return {
+        "fuzz_sent": len(hostile),
+        "fuzz_dropped": mgr.dropped_messages.count - before,
+        "fuzz_kinds": sorted({kind(m) for m in hostile}),
+        "aux_slots_changed": changed,
+        "decode_threads_alive": all(t.is_alive() for t in mgr._worker_threads),
+    }
+
+
+def test_a_fuzzed_decode_still_commits_byte_exact():
+    """N = 2 prefill CP ranks and a plugin decode, every process with the secret. While room 600
+    is in flight (rank 1's first write waits 3 s), >= 200 hostile messages hit the decode's status
+    socket: all dropped, no other aux slot changed, SGLang's decode threads alive; then room 600
+    commits byte exact, room 601 fails with rank 0's reason (its Failed is signed, so it passes the
+    guard) and room 602 commits."""
+    from test_sglang_ext_pd import _check_committed, _check_failed, _request, _run
+
+    n = 2
+    reqs = [
+        _request(600, list(range(10, 20)), list(range(1, 11)), chunks=[5, 5], fuzz=fuzz_status_socket),
+        _request(601, list(range(20, 26)), list(range(11, 17))),
+        _request(602, [3, 9, 4, 17, 30, 11], list(range(17, 23))),
+    ]
+    faults = {("slow", 1): {600: 3.0}, ("drop", 0): {601}}
+    reports = _run(n, {"plugin": (True, reqs)}, reqs, faults)
+    fuzzed = reports["room"][("plugin", 600)]
+    assert fuzzed["fuzz_sent"] >= 200 and fuzzed["fuzz_dropped"] == fuzzed["fuzz_sent"], fuzzed
+    assert fuzzed["fuzz_kinds"] == ["ABORT_ACK", "AUX_DATA", "CHUNK_READY", "STAGING_REQ", "status"], fuzzed
+    assert fuzzed["aux_slots_changed"] == [] and fuzzed["decode_threads_alive"], fuzzed
+    info = reports["ready"][0]
+    _check_committed(reports, "plugin", reqs[0], n, info)
+    _check_failed(reports, "plugin", 601, "CP rank 0 of 2: owned KV pages not sent at positions")
+    _check_committed(reports, "plugin", reqs[2], n, info)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(pytest.main([__file__, "-q"]))
