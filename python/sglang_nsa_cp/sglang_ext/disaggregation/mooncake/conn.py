@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 import numpy as np
 from sglang.srt.disaggregation.base.conn import KVPoll, StateType
@@ -84,25 +83,6 @@ class _Unauthenticated(str):
     """Why a status's manifest frame did not authenticate (with the secret) or answers another
     use of its room (with or without): such a status is dropped as if it never came, so a forged
     or replayed Success neither commits nor fails a room."""
-
-
-_dropped_log = {"last": 0.0, "count": 0}
-
-
-def _log_dropped(room: int, prefill_rank: int, why: str) -> None:
-    _dropped_log["count"] += 1
-    now = time.monotonic()
-    if now - _dropped_log["last"] >= 10:  # at most one line per 10 s, however many are forged
-        _dropped_log["last"] = now
-        logger.warning(
-            "dropping a Success status of room %s from prefill rank %s (%d dropped so far): %s; "
-            "with SGLANG_NSA_CP_PD_SECRET set here, every prefill must run the plugin with the "
-            "same secret",
-            room,
-            prefill_rank,
-            _dropped_log["count"],
-            why,
-        )
 
 
 _UNPROTECTED = {
@@ -357,7 +337,8 @@ class OwnedPageKVManager(MooncakeKVManager):
         if status != KVPoll.Success or current in (None, KVPoll.Success, KVPoll.Failed) or responders is None:
             return apply(status, failure_reason)  # not a Success, or the room is already decided
         if isinstance(manifest, _Unauthenticated) or (keyed and manifest is None):
-            return _log_dropped(bootstrap_room, prefill_rank, manifest or "no owned-page manifest frame")
+            why = manifest or "no owned-page manifest frame"
+            return self.dropped_messages.note(f"Success of room {bootstrap_room} from prefill rank {prefill_rank}", why)
         if manifest is not None or keyed:
             room_manifests = self.room_manifests.setdefault(bootstrap_room, {})
             if prefill_rank in room_manifests:
