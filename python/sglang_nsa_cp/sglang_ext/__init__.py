@@ -8,19 +8,16 @@ SGLang's `load_plugins()` then applies them. Importing this package does nothing
 hook is a pass-through unless the resolved server arguments enable shared KV
 (`server_args.is_enabled()`).
 
-The patch ledger (`ledger.py`) holds each target with its kind, hook, why, the upstream SGLang
-change that would remove it, and its signature fingerprint; docs/sglang_plugin.md carries it as a
-table (`python -m sglang_nsa_cp.sglang_ext.ledger`). With the flag, start-up validation refuses to
-start when a ledger target no longer resolves, changed signature or is not patched
-(`ledger.check_patch_points()`). Each hook's module, which mirrors the SGLang file it hooks, says
-in its docstring how the hook works.
+The patch ledger (`ledger.py`) holds each target with its kind, hook, why, the upstream change
+that would remove it and its signature fingerprint, and fails closed at start-up with the flag.
+Each hook's module mirrors the SGLang file it hooks and says how the hook works.
 
 What the flag runs is SGLang's own KV sharding (`--enable-kv-cache-sharding`: its page-interleaved
 DSA pool, owner-rotating allocator, admission gate, HiCache host tier, sharded MTP draft pool and
 owner-page PD send), admitted on the Hopper path (`arg_groups/kv_shard_hook.py`), with the
 plugin's delta: the pool subclass (`mem_cache/page_interleave_pool.py`), the scratch in contexts
 (`mem_cache/page_interleave.py`), the narrow tail gather (`layers/`) and the PD checks
-(`disaggregation/`). docs/upstream.md is the change that would make each unnecessary.
+(`disaggregation/`: subclasses of SGLang's Mooncake classes). docs/upstream.md is the change that would make each unnecessary.
 """
 
 from __future__ import annotations

@@ -3,17 +3,15 @@
 `register()` (`sglang_ext/__init__.py`) installs the entries of `LEDGER` in its order: HookRegistry
 hooks (BEFORE / AFTER / AROUND / REPLACE), which SGLang's `load_plugins()` then applies, and
 RESOLUTION steps (`register_resolution_hook`). SGLang's `HookRegistry.apply_hooks()` only logs a
-target it cannot patch and carries on, so `check_patch_points()` fails closed: start-up validation
-of `--enable-nsa-prefill-cp-shared-kv` (`arg_groups/parallel_hook.py`) refuses to start, naming the
-hook, when a target no longer resolves, its signature changed, or its hook is not installed.
+target it cannot patch and carries on, so `check_patch_points()` fails closed: with the flag,
+start-up refuses, naming the hook, when a target (or a method a hook's subclass overrides) no
+longer resolves or changed signature, or a hook is not installed.
 
     python -m sglang_nsa_cp.sglang_ext.ledger                 # the table docs/sglang_plugin.md carries
     python -m sglang_nsa_cp.sglang_ext.ledger --fingerprints  # current fingerprints, to re-record
 
-Adding a hook: write it in the module that mirrors the target's SGLang file, add a `PatchPoint`
-here (its fingerprint from `--fingerprints`), paste the table into docs/sglang_plugin.md and update
-the counts there. Removing one: delete its entry and its function, then the same docs steps.
-Importing this module imports neither sglang nor the hook modules.
+Adding or removing a hook: its `PatchPoint` here (fingerprints from `--fingerprints`), then the
+table and counts in docs/sglang_plugin.md. Importing this module imports neither sglang nor hooks.
 """
 
 from __future__ import annotations

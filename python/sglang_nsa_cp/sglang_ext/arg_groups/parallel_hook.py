@@ -12,17 +12,12 @@ Resolution hooks (`sglang.srt.arg_groups.resolution_hooks.register_resolution_ho
   more at the very end of resolution, after late capability adjustments that can still change
   the attention backend or speculative settings.
 
-The checks include the patch ledger's (`ledger.check_patch_points()`): every hook target still
-resolves, has the signature recorded for SGLang 0.5.23 and is patched. Every SGLang entry point
-(`launch_server`, `sglang serve`, `Engine.__init__`) calls `load_plugins()`, which registers and
-applies the hooks, before it resolves the arguments; schedulers get the resolved record and run the
-same `load_plugins()` on the same installation.
-
-All of it runs inside `ServerArgs.resolve_once()`, i.e. in the launcher (`launch_server`,
-`Engine`) before any scheduler process starts or any weight is loaded. Every problem found is
-reported in one `SharedKVConfigError` (a ValueError, as SGLang's own resolution errors), each
-with its fix. On success the resolved decision is written to the record as `_nsa_cp_shared_kv`
-(bookkeeping attribute, pickled to the schedulers), which is what the runtime hooks read.
+The checks include the patch ledger's (`ledger.check_patch_points()`). Every SGLang entry point
+calls `load_plugins()` before it resolves the arguments, and resolution runs in the launcher,
+before any scheduler starts or any weight loads. Every problem found is reported in one
+`SharedKVConfigError` (a ValueError, as SGLang's own), each with its fix; on success the decision
+is written to the record as `_nsa_cp_shared_kv` (pickled to the schedulers), which the runtime
+hooks read.
 """
 
 from __future__ import annotations

@@ -1,31 +1,19 @@
 """What SGLang's decode thread may see: every message on a decode's status socket is checked
-before SGLang parses it (`guard_recv`, installed by `OwnedPageKVManager._make_worker_recv` in
-`mooncake/conn.py`), and the status signature a shared-KV prefill adds for it.
-
-SGLang 0.5.23's decode thread (`MooncakeKVManager.start_decode_thread`) dispatches on frame 0
-and trusts the rest (docs/upstream.md, "SGLang's decode status socket trusts its peers")::
+before SGLang parses it (`guard_recv`, installed by `OwnedPageKVManager._make_worker_recv`), and
+the status signature a keyed shared-KV prefill adds. SGLang dispatches on frame 0 and trusts the
+rest (docs/upstream.md, item 7)::
 
     frame 0        SGLang's handler                what an unchecked peer could do
-    AUX_DATA       _handle_aux_data                write at any aux index, in any buffer; a
-                                                   non-number raises and ends the thread
+    AUX_DATA       _handle_aux_data                write at any aux index; a non-number ends the thread
     CHUNK_READY    handle_chunk_ready              (staging) scatter any page range
-    STAGING_REQ    _handle_staging_req             no staging: an assert ends the thread;
-                                                   staging: a huge chunk index grows a list
-    ABORT_ACK      handle_abort_ack_message        (SGLang parses it safely)
-    anything else  parse_kv_status_message,        [room, status, prefill rank, reason?,
-                   apply_prefill_status            manifest?, status signature?]
+    STAGING_REQ    _handle_staging_req             no staging: an assert ends the thread
+    ABORT_ACK      handle_abort_ack_message        (parsed safely)
+    anything else  parse_kv_status_message         [room, status, rank, reason?, manifest?, signature?]
 
-`decode_message_problem` names what is wrong with a message (types, frame counts, sizes, indices
-against this decode's own buffers and rooms), or None; it never raises. A message with a problem
-is dropped, as if never sent, and logged at most once per 10 s (`DropLog`; a status of a room
-no longer waiting, which a real rank's late status also is, only at debug level, as SGLang does).
-
-With SGLANG_NSA_CP_PD_SECRET, a status must also prove where it comes from: a Success by its
-manifest (keyed to its room, rank and this use of the room), any other status by a status
-signature (`sign_status`: keyed to its room, rank, status, reason and use), which a shared-KV
-prefill of the plugin appends. A forged or replayed status neither commits nor fails a room.
-Not authenticated (docs/disagg.md, "Threat model"): ABORT_ACK, and an AUX_DATA (TCP aux only) of a
-room in flight at that room's own slot.
+A message with a problem is dropped as if never sent and logged at most once per 10 s
+(`DropLog`; a late status of a room no longer waiting only at debug level, as SGLang does). With
+SGLANG_NSA_CP_PD_SECRET a Success must carry a valid manifest and any other status a valid
+`sign_status` signature. Not authenticated: ABORT_ACK, and AUX_DATA at its own room's slot.
 """
 
 from __future__ import annotations

@@ -1,39 +1,17 @@
-"""Owned-page PD transfer on SGLang's own KV-sharding path: what the plugin adds, as subclasses of
-SGLang's Mooncake classes. Mirrors `sglang/srt/disaggregation/mooncake/conn.py`.
+"""Owned-page PD transfer as subclasses of SGLang's Mooncake classes. Mirrors
+`sglang/srt/disaggregation/mooncake/conn.py`; the rules and the threat model are docs/disagg.md.
 
-The flag turns on SGLang 0.5.23's `--enable-kv-cache-sharding`, whose transfer already ships the
-pages each CP rank owns (logical page p on rank p % N at local page p // N): every CP rank is a
-sender of its owned KV pages (`filter_kv_indices_for_shard_rank`) and index-K pages
-(`_prepare_sharded_dsa_indices`), and the bootstrap advertises sharding, so any decode pulls from
-all N CP ranks and reports Success after all N did. The plugin adds the checks:
+SGLang's sharded transfer already ships the pages each CP rank owns and makes the decode wait for
+all N ranks. The plugin adds: each rank's self-check before Success (`OwnedPageLedger.finish`), a
+manifest on its Success (keyed with SGLANG_NSA_CP_PD_SECRET, bound to this use of the room by the
+decode's nonce), the decode's commit only on full coverage from the owners, the silent ranks named
+on a timeout, and every message screened before SGLang's decode thread parses it
+(`../status_guard.py`; with the secret every status must be signed).
 
-- each rank checks, before it reports Success, that it handed every page it owns to the transfer
-  exactly once (`owned_pages.OwnedPageLedger.finish`), and reports Failed with the difference
-  otherwise; status messages carry the failure reason (a stock decode reads it);
-- its Success message carries a manifest frame (positions and logical pages of its KV and
-  index-K pages), keyed with SGLANG_NSA_CP_PD_SECRET when set (`disagg/auth.py`). A decode with
-  this plugin (no flag needed) commits a room only when the N manifests cover every position
-  exactly once from its owner, counted against its own destination pages and CP size (recorded
-  when it sends them), and names the silent ranks when a room times out; with the secret, a
-  Success whose manifest is missing or not keyed to that room and rank is dropped as if it never
-  came (logged at most every 10 s), so a forged one neither commits nor fails the room. A
-  manifest frame is parsed only for a room the decode asked for, only up to the size that room
-  needs, and never raises into SGLang's decode thread: what is wrong becomes the room's failure
-  reason. The decode's status socket refuses frames past that size for its largest request
-  (ZMQ_MAXMSGSIZE, `../common/conn.py`). A stock decode ignores the frame.
-- every message on a decode's status socket is checked before SGLang's decode thread parses it
-  (`../status_guard.py`: frame counts, numbers, indices against the decode's own aux buffers and
-  rooms); one with a problem is dropped and logged, so nothing a peer sends ends that thread.
-  With the secret, a status other than Success carries a status signature (keyed to its room,
-  rank, status, reason and the decode's use of the room), and a decode with the secret drops
-  one without it: a forged Failed does not fail a room either.
-
-SGLang builds these classes through `get_kv_class` (`../utils.py` returns them for Mooncake), so
-every manager, sender and receiver of a process with the plugin is one of them. Each override
-calls SGLang's method; the ledger fingerprints every SGLang method overridden here
-(`ledger.PatchPoint.overrides`). Prefill-side overrides act only on a shared-KV prefill manager
-(`owned_pages_ledger` set); decode-side ones only on rooms whose Success messages carry
-manifests, or on every room when the decode has the secret; the status guard on every decode.
+SGLang builds these classes through `get_kv_class` (`../utils.py`). Each override calls SGLang's
+method, and the ledger fingerprints each one (`ledger.PatchPoint.overrides`). Prefill-side
+overrides act only on a shared-KV prefill manager (`owned_pages_ledger` set); decode-side ones on
+rooms whose Success carries a manifest, on every room with the secret, and the screen always.
 """
 
 from __future__ import annotations
