@@ -5,10 +5,6 @@ Each variable is read when used, with `.get()`; truth-testing the variable itsel
 forgotten `.get()` cannot pass for "set". Tests change one with `.override(value)`.
 README.md's table of variables is `python -m sglang_nsa_cp.envs` (test/test_envs.py keeps them
 equal).
-
-    envs.SGLANG_NSA_CP_SHARED_KV.get()                # False unless set to 1/true/yes/y
-    with envs.SGLANG_NSA_CP_KERNELS.override("torch"):
-        ...
 """
 
 from __future__ import annotations

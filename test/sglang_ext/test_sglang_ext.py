@@ -318,6 +318,18 @@ def test_unconfined_mooncake_ports_refuse_the_flag_naming_the_setting(plugin, mo
     assert getattr(_resolve(_argv(models["v32"])), ATTR) is True
 
 
+def test_the_flag_raises_mooncakes_tcp_queue_limit_unless_the_operator_set_one(plugin, models, sm90, monkeypatch):
+    """Mooncake's TCP transport fails batches past ~2048 entries per peer at its default limits
+    (docs/sglang_cpu_server_pd_concurrent.md): the flag's resolution sets its maximum, which the
+    schedulers inherit, and keeps an operator's own value."""
+    monkeypatch.delenv("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", raising=False)
+    _resolve(_argv(models["v32"]))
+    assert os.environ["MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"] == "65535"
+    monkeypatch.setenv("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "4096")
+    _resolve(_argv(models["v32"]))
+    assert os.environ["MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"] == "4096"
+
+
 def test_page_size_other_than_64_is_refused(plugin, monkeypatch):
     """SGLang forces page 64 for DSA models before our check runs, so the check is exercised on a
     resolved view directly."""

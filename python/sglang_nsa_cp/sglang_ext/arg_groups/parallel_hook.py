@@ -23,6 +23,7 @@ hooks read.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable
 
 from sglang.srt.arg_groups.overrides import declare_resolution, model_config_of, resolving_view
@@ -339,6 +340,9 @@ def validate(server_args: Any) -> None:
         # SGLang's own KV sharding does the work: its page-interleaved pool (the plugin's
         # subclass), owner-rotating allocator, admission gate, HiCache tier and owner-page send.
         declare_resolution(server_args, FLAG, enable_kv_cache_sharding=True)
+        # Mooncake's TCP transport fails batches past ~2048 entries a peer at its default
+        # (docs/sglang_cpu_server_pd_concurrent.md); the schedulers inherit the launcher's environment.
+        os.environ.setdefault("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "65535")  # Mooncake's most
         logger.info(
             "%s: shared-KV prefill CP on SGLang's KV sharding (attn_cp_size=%d)",
             FLAG,
