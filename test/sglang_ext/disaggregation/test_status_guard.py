@@ -14,7 +14,7 @@ every room waits until it times out (docs/upstream.md). Checked here:
   the guard it drops every one of them, writes nothing out of place and still commits a room;
   without it (SGLang's own manager) an aux index past the end writes into the next buffer and
   each of four messages ends the thread (the control);
-- the real thing, in `test_sglang_ext_pd.py`'s harness (2 prefill CP ranks, a plugin decode built
+- the real thing, in the owned-page PD harness (`helpers/sglang_pd_harness.py`) (2 prefill CP ranks, a plugin decode built
   by `DecodePreallocQueue._init_kv_manager`, Mooncake TCP on 127.0.0.1, the secret set): the
   fuzz hits the decode's status socket while a room is in flight, the room still commits byte
   exact, a rank's signed Failed still fails the next with its reason, the one after commits.
@@ -38,6 +38,8 @@ from typing import NamedTuple  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
+
+from helpers import sglang_pd_harness as PD  # noqa: E402
 
 register_cpu_ci(est_time=100, suite="nsa-cp-test-cpu")
 
@@ -441,7 +443,7 @@ def test_without_the_guard_one_message_writes_past_the_buffer_and_one_ends_the_t
         decode.close()
 
 
-# ---- the real thing: test_sglang_ext_pd.py's harness ------------------------------------------------
+# ---- the real thing: the owned-page PD harness ------------------------------------------------
 def fuzz_status_socket(mgr, room) -> dict:
     """Runs in the harness's decode process right after `room`'s metadata went out (its pages
     still in flight: a prefill rank's first write waits). Pushes every hostile message for this
@@ -485,24 +487,23 @@ def test_a_fuzzed_decode_still_commits_byte_exact():
     socket: all dropped, no other aux slot changed, SGLang's decode threads alive; then room 600
     commits byte exact, room 601 fails with rank 0's reason (its Failed is signed, so it passes the
     guard) and room 602 commits."""
-    from test_sglang_ext_pd import _check_committed, _check_failed, _request, _run
 
     n = 2
     reqs = [
-        _request(600, list(range(10, 20)), list(range(1, 11)), chunks=[5, 5], fuzz=fuzz_status_socket),
-        _request(601, list(range(20, 26)), list(range(11, 17))),
-        _request(602, [3, 9, 4, 17, 30, 11], list(range(17, 23))),
+        PD.request(600, list(range(10, 20)), list(range(1, 11)), chunks=[5, 5], fuzz=fuzz_status_socket),
+        PD.request(601, list(range(20, 26)), list(range(11, 17))),
+        PD.request(602, [3, 9, 4, 17, 30, 11], list(range(17, 23))),
     ]
     faults = {("slow", 1): {600: 3.0}, ("drop", 0): {601}}
-    reports = _run(n, {"plugin": (True, reqs)}, reqs, faults)
+    reports = PD.run(n, {"plugin": (True, reqs)}, reqs, faults)
     fuzzed = reports["room"][("plugin", 600)]
     assert fuzzed["fuzz_sent"] >= 200 and fuzzed["fuzz_dropped"] == fuzzed["fuzz_sent"], fuzzed
     assert fuzzed["fuzz_kinds"] == ["ABORT_ACK", "AUX_DATA", "CHUNK_READY", "STAGING_REQ", "status"], fuzzed
     assert fuzzed["aux_slots_changed"] == [] and fuzzed["decode_threads_alive"], fuzzed
     info = reports["ready"][0]
-    _check_committed(reports, "plugin", reqs[0], n, info)
-    _check_failed(reports, "plugin", 601, "CP rank 0 of 2: owned KV pages not sent at positions")
-    _check_committed(reports, "plugin", reqs[2], n, info)
+    PD.check_committed(reports, "plugin", reqs[0], n, info)
+    PD.check_failed(reports, "plugin", 601, "CP rank 0 of 2: owned KV pages not sent at positions")
+    PD.check_committed(reports, "plugin", reqs[2], n, info)
 
 
 if __name__ == "__main__":
