@@ -33,7 +33,7 @@ WAITING_TIMEOUT_S = 6  # decode: SGLANG_DISAGGREGATION_WAITING_TIMEOUT
 SENTINEL = 0xEE
 
 
-def _env(waiting_timeout=None):
+def env(waiting_timeout=None):
     os.environ.update(
         TRITON_INTERPRET="1", MOONCAKE_PROTOCOL="tcp", MC_FORCE_TCP="1", OMP_NUM_THREADS="1",
         SGLANG_DISAGGREGATION_THREAD_POOL_SIZE="2", SGLANG_DISAGGREGATION_QUEUE_SIZE="1",
@@ -45,14 +45,14 @@ def _env(waiting_timeout=None):
     torch.set_num_threads(1)
 
 
-def _pattern(logical: int, layer: int, kind: int, nbytes: int) -> torch.Tensor:
+def pattern(logical: int, layer: int, kind: int, nbytes: int) -> torch.Tensor:
     """The bytes of one page of one layer: kind 0 = MLA latent, 1 = index K/scale. The MTP draft's
     one layer is layer LAYERS."""
     base = (logical * 131 + layer * 17 + kind * 7) % 251
     return ((torch.arange(nbytes, dtype=torch.int64) * (2 * kind + 3) + base) % 251).to(torch.uint8)
 
 
-def _pool_kwargs(size, kv="bfloat16", layers=LAYERS):
+def pool_kwargs(size, kv="bfloat16", layers=LAYERS):
     dtype, kv_cache_dim, _ = KV_FORMATS[kv]
     return dict(size=size, page_size=PAGE, kv_lora_rank=512, dtype=dtype, qk_rope_head_dim=64,
                 layer_num=layers, device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=kv_cache_dim)  # fmt: skip
@@ -80,7 +80,7 @@ def _write_latent(pool, pages):
             pool.set_mla_kv_buffer(None, loc, nope, rope, layer_id_override=layer)
 
 
-def _publish(mode, cp_size, cp_rank, bootstrap_port, shard_group=None):
+def publish(mode, cp_size, cp_rank, bootstrap_port, shard_group=None):
     """Publish the process's ServerArgs and ranks. shard_group: a shared-KV prefill CP rank's
     attention-CP group; then the plugin's flag and SGLang's `--enable-kv-cache-sharding` are on,
     as the plugin's start-up validation leaves them (`CommonKVManager.__init__` reads the shard
@@ -128,7 +128,7 @@ def load_plugin():
     assert "sglang.srt.disaggregation.utils.get_kv_class" in HookRegistry._patched
 
 
-def _scheduler_stub(server_args, kv="bfloat16", **extra):
+def scheduler_stub(server_args, kv="bfloat16", **extra):
     model_runner = SimpleNamespace(kv_cache_dtype_str=kv)
     return SimpleNamespace(
         rust_server=None, tp_worker=SimpleNamespace(model_runner=model_runner), enable_hisparse=False,
@@ -137,13 +137,13 @@ def _scheduler_stub(server_args, kv="bfloat16", **extra):
     )  # fmt: skip
 
 
-def _metadata_buffers():
+def metadata_buffers():
     from sglang.srt.disaggregation.utils import MetadataBuffers
 
     return MetadataBuffers(16, 16, torch.float32, 1, max_top_logprobs_num=1)
 
 
-def _wait(poll, done, deadline_s, what, interval_s=0.02):
+def wait(poll, done, deadline_s, what, interval_s=0.02):
     deadline = time.monotonic() + deadline_s
     while True:
         state = poll()
@@ -154,7 +154,7 @@ def _wait(poll, done, deadline_s, what, interval_s=0.02):
         time.sleep(interval_s)
 
 
-def _status_name(status):
+def status_name(status):
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     return {
@@ -220,7 +220,7 @@ class _Traffic:
         )
 
 
-def _fill_shard(pool, rank, cp_size, kv="bfloat16", latent_pages=(), first_layer=0):
+def _fill_shard(pool, rank, cp_size, kv="bfloat16", latent_pages=(), first_layer=0, prefill_pages=PREFILL_PAGES):
     """bf16: byte patterns of (page, layer, kind) in every owned page. fp8: the index pages the
     same, the latent of `latent_pages` written by the pool from `_latent` (quantized on write).
     SGLang's sharded pool holds the rank's local pages: logical page p (p % N == rank, p >= N) at
@@ -228,20 +228,20 @@ def _fill_shard(pool, rank, cp_size, kv="bfloat16", latent_pages=(), first_layer
     pool's layer 0 (an MTP draft pool's one layer is LAYERS)."""
     page_bytes = KV_FORMATS[kv][2]
     local_pages = pool.size // PAGE + 1  # SGLang's pool: size + one page
-    assert cp_size * local_pages == PREFILL_PAGES, (cp_size, local_pages)
+    assert cp_size * local_pages == prefill_pages, (cp_size, local_pages)
     for layer in range(pool.layer_num):
         latent = pool.kv_buffer[layer].view(torch.uint8).view(local_pages, -1)
         index = pool.index_k_with_scale_buffer[layer]
         assert latent.shape[1] == page_bytes and index.shape == (local_pages, INDEX_PAGE_BYTES), index.shape
-        for logical in range(cp_size + rank, PREFILL_PAGES, cp_size):
+        for logical in range(cp_size + rank, prefill_pages, cp_size):
             if kv == "bfloat16":
-                latent[logical // cp_size] = _pattern(logical, first_layer + layer, 0, page_bytes)
-            index[logical // cp_size] = _pattern(logical, first_layer + layer, 1, INDEX_PAGE_BYTES)
+                latent[logical // cp_size] = pattern(logical, first_layer + layer, 0, page_bytes)
+            index[logical // cp_size] = pattern(logical, first_layer + layer, 1, INDEX_PAGE_BYTES)
     if kv != "bfloat16":
         _write_latent(pool, latent_pages)
 
 
-def _sharded_pools(rank, cp_size, shard_group, kv, draft):
+def _sharded_pools(rank, cp_size, shard_group, kv, draft, prefill_pages=PREFILL_PAGES):
     """The rank's SGLang page-interleaved DSA pool (the plugin's subclass: the plugin is loaded),
     as SGLang's KV configurator builds it under KV sharding: `size` is per rank, the spec the
     plugin's `make_page_shard_spec` gives, the attention-CP group as shard group. With a draft,
@@ -257,13 +257,13 @@ def _sharded_pools(rank, cp_size, shard_group, kv, draft):
     pool_class = page_interleave_pool.PageInterleaveDSATokenToKVPool
     assert pool_class is plugin_pool.PageInterleaveDSATokenToKVPool, "the plugin's REPLACE hook did not take"
     spec = shard_spec(rank, cp_size, context_len=4 * PAGE, chunk_tokens=4 * PAGE, contexts=1)
-    size = (PREFILL_PAGES // cp_size - 1) * PAGE
+    size = (prefill_pages // cp_size - 1) * PAGE
     with get_parallel().override(attn_dcp_size=1, dcp_enabled=False):
-        pool = pool_class(**_pool_kwargs(size, kv), shard_spec=spec, shard_group=shard_group)
+        pool = pool_class(**pool_kwargs(size, kv), shard_spec=spec, shard_group=shard_group)
         draft_pool = None
         if draft:
             draft_pool = pool_class(
-                **_pool_kwargs(pool.size, kv, layers=1), shard_spec=pool.shard_spec, shard_group=pool.shard_group
+                **pool_kwargs(pool.size, kv, layers=1), shard_spec=pool.shard_spec, shard_group=pool.shard_group
             )
     return pool, draft_pool
 
@@ -316,11 +316,21 @@ def _install_faults(rank, faults, traffic):
     plugin_conn.self_check = lenient_self_check
 
 
-def _prefill_rank(rank, cp_size, shard_group, bootstrap_port, requests, faults, draft=False, kv="bfloat16") -> list:
+def prefill_rank(
+    rank,
+    cp_size,
+    shard_group,
+    bootstrap_port,
+    requests,
+    faults,
+    draft=False,
+    kv="bfloat16",
+    prefill_pages=PREFILL_PAGES,
+) -> list:
     results = []
-    _env()
+    env()
     load_plugin()
-    server_args = _publish("prefill", cp_size, rank, bootstrap_port, shard_group)
+    server_args = publish("prefill", cp_size, rank, bootstrap_port, shard_group)
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVBootstrapServer
     from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
@@ -328,18 +338,20 @@ def _prefill_rank(rank, cp_size, shard_group, bootstrap_port, requests, faults, 
 
     if rank == 0:  # in SGLang the prefill's HTTP server process runs it
         MooncakeKVBootstrapServer("127.0.0.1", bootstrap_port)
-    _wait(lambda: _port_open(bootstrap_port), bool, 90, "bootstrap server", interval_s=0.2)
-    pool, draft_pool = _sharded_pools(rank, cp_size, shard_group, kv, draft)
-    _fill_shard(pool, rank, cp_size, kv, sorted({p for req in requests for p in req["pages"]}))
+    wait(lambda: _port_open(bootstrap_port), bool, 90, "bootstrap server", interval_s=0.2)
+    pool, draft_pool = _sharded_pools(rank, cp_size, shard_group, kv, draft, prefill_pages)
+    _fill_shard(
+        pool, rank, cp_size, kv, sorted({p for req in requests for p in req["pages"]}), prefill_pages=prefill_pages
+    )
     if draft_pool is not None:
-        _fill_shard(draft_pool, rank, cp_size, first_layer=LAYERS)
+        _fill_shard(draft_pool, rank, cp_size, first_layer=LAYERS, prefill_pages=prefill_pages)
     traffic = _Traffic()
     traffic.install()
     _install_faults(rank, faults, traffic)
     queue_stub = SimpleNamespace(
         transfer_backend=TransferBackend.MOONCAKE, tp_rank=rank, pp_rank=0, token_to_kv_pool=pool,
-        draft_token_to_kv_pool=draft_pool, is_mla_backend=True, metadata_buffers=_metadata_buffers(),
-        scheduler=_scheduler_stub(server_args, kv),
+        draft_token_to_kv_pool=draft_pool, is_mla_backend=True, metadata_buffers=metadata_buffers(),
+        scheduler=scheduler_stub(server_args, kv),
     )  # fmt: skip
     mgr = PrefillBootstrapQueue._init_kv_manager(queue_stub)
     assert mgr.enable_all_cp_ranks_for_transfer and not mgr.is_dummy_cp_rank
@@ -353,7 +365,7 @@ def _prefill_rank(rank, cp_size, shard_group, bootstrap_port, requests, faults, 
         if rank in req.get("silent", ()):
             return {"status": "silent"}
         sender = get_kv_class(TransferBackend.MOONCAKE, KVClassType.SENDER)(mgr, f"127.0.0.1:{bootstrap_port}", room)
-        _wait(sender.poll, lambda s: s in (KVPoll.WaitingForInput, KVPoll.Failed), 60, f"room {room} bootstrap")
+        wait(sender.poll, lambda s: s in (KVPoll.WaitingForInput, KVPoll.Failed), 60, f"room {room} bootstrap")
         pages = np.asarray(req["pages"], dtype=np.int32)
         sender.init(len(pages), aux_index=req["aux"])
         start = 0
@@ -361,15 +373,15 @@ def _prefill_rank(rank, cp_size, shard_group, bootstrap_port, requests, faults, 
             last = i == len(req["chunks"]) - 1
             sender.send(pages[start : start + size], [pages.copy()] if last else None)
             start += size
-        status = _wait(sender.poll, lambda s: s in (KVPoll.Success, KVPoll.Failed), 60, f"room {room} transfer")
+        status = wait(sender.poll, lambda s: s in (KVPoll.Success, KVPoll.Failed), 60, f"room {room} transfer")
         with mgr.failure_lock:
             reason = mgr.failure_records.get(room)
         sender.clear()  # as the scheduler does once the room failed, a slowed write still going
-        _wait(lambda: room not in traffic.slowed, lambda done: done, 30, f"room {room} late write")
+        wait(lambda: room not in traffic.slowed, lambda done: done, 30, f"room {room} late write")
         with traffic.lock:
             stats = traffic.rooms.get(room, {"pages": [0, 0], "aux": [0, 0]})
         return {
-            "status": _status_name(status),
+            "status": status_name(status),
             "reason": reason,
             "stats": stats,
             "write_end": traffic.write_end.get(room),
@@ -394,10 +406,10 @@ def _prefill_rank(rank, cp_size, shard_group, bootstrap_port, requests, faults, 
 # ---- the decode instance ------------------------------------------------------------------------------
 def _decode(name, plugin, bootstrap_port, requests, draft=False, kv="bfloat16") -> list:
     results = []
-    _env(waiting_timeout=WAITING_TIMEOUT_S)
+    env(waiting_timeout=WAITING_TIMEOUT_S)
     if plugin:
         load_plugin()
-    server_args = _publish("decode", 1, 0, bootstrap_port)
+    server_args = publish("decode", 1, 0, bootstrap_port)
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.decode import DecodePreallocQueue
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
@@ -410,16 +422,16 @@ def _decode(name, plugin, bootstrap_port, requests, draft=False, kv="bfloat16") 
         assert not HookRegistry._patched, "the stock decode must run without the plugin"
     page_bytes = KV_FORMATS[kv][2]
     with get_parallel().override(attn_dcp_size=1, dcp_enabled=False):
-        pool = DSATokenToKVPool(**_pool_kwargs((DECODE_PAGES - 1) * PAGE, kv))
-        draft_pool = DSATokenToKVPool(**_pool_kwargs((DECODE_PAGES - 1) * PAGE, kv, layers=1)) if draft else None
+        pool = DSATokenToKVPool(**pool_kwargs((DECODE_PAGES - 1) * PAGE, kv))
+        draft_pool = DSATokenToKVPool(**pool_kwargs((DECODE_PAGES - 1) * PAGE, kv, layers=1)) if draft else None
         replicated = None
         if kv != "bfloat16":  # what a replicated prefill (SGLang's own pool, every row) holds
-            replicated = DSATokenToKVPool(**_pool_kwargs((PREFILL_PAGES - 1) * PAGE, kv))
+            replicated = DSATokenToKVPool(**pool_kwargs((PREFILL_PAGES - 1) * PAGE, kv))
             _write_latent(replicated, sorted({p for req in requests for p in req["pages"]}))
 
     def expected_latent(logical, layer):
         if replicated is None:
-            return _pattern(logical, layer, 0, page_bytes)
+            return pattern(logical, layer, 0, page_bytes)
         return replicated.kv_buffer[layer].view(torch.uint8).view(-1, page_bytes)[logical]
 
     # one entry per layer: the target's, then the MTP draft's (layer LAYERS)
@@ -434,12 +446,12 @@ def _decode(name, plugin, bootstrap_port, requests, draft=False, kv="bfloat16") 
         t.fill_(SENTINEL)
     queue_stub = SimpleNamespace(
         transfer_backend=TransferBackend.MOONCAKE, tp_rank=0, pp_rank=0, token_to_kv_pool=pool,
-        draft_token_to_kv_pool=draft_pool, is_mla_backend=True, metadata_buffers=_metadata_buffers(),
-        enable_staging=False, scheduler=_scheduler_stub(server_args, kv),
+        draft_token_to_kv_pool=draft_pool, is_mla_backend=True, metadata_buffers=metadata_buffers(),
+        enable_staging=False, scheduler=scheduler_stub(server_args, kv),
     )  # fmt: skip
     mgr = DecodePreallocQueue._init_kv_manager(queue_stub)
     addr = f"127.0.0.1:{bootstrap_port}"
-    _wait(lambda: mgr.try_ensure_parallel_info(addr), bool, 90, "prefill bootstrap", interval_s=0.5)
+    wait(lambda: mgr.try_ensure_parallel_info(addr), bool, 90, "prefill bootstrap", interval_s=0.5)
     info = mgr.prefill_info_table[addr]
     results.append(("ready", name, {"target_cp_ranks": list(info.target_cp_ranks),
                                  "required": info.required_prefill_response_num}))  # fmt: skip
@@ -455,7 +467,7 @@ def _decode(name, plugin, bootstrap_port, requests, draft=False, kv="bfloat16") 
             used.update(int(d) for d in dst)
             results.append(("room", name, room, _abort_and_wait_for_drain(mgr, receiver, req, latent, dst)))
             continue
-        status = _wait(receiver.poll, lambda s: s in (KVPoll.Success, KVPoll.Failed), 60, f"room {room}")
+        status = wait(receiver.poll, lambda s: s in (KVPoll.Success, KVPoll.Failed), 60, f"room {room}")
         with mgr.failure_lock:
             reason = mgr.failure_records.get(room)
         receiver.clear()
@@ -466,7 +478,7 @@ def _decode(name, plugin, bootstrap_port, requests, draft=False, kv="bfloat16") 
                 for layer in range(len(latent)):
                     if not torch.equal(latent[layer][page], expected_latent(logical, layer)):
                         wrong.append(("latent", k, layer))
-                    if not torch.equal(index[layer][page], _pattern(logical, layer, 1, INDEX_PAGE_BYTES)):
+                    if not torch.equal(index[layer][page], pattern(logical, layer, 1, INDEX_PAGE_BYTES)):
                         wrong.append(("index", k, layer))
         untouched = [p for p in range(DECODE_PAGES) if p not in used]
         stray = [p for p in untouched for t in (latent + index) if not bool((t[p] == SENTINEL).all())]
@@ -476,7 +488,7 @@ def _decode(name, plugin, bootstrap_port, requests, draft=False, kv="bfloat16") 
                 name,
                 room,
                 {
-                    "status": _status_name(status),
+                    "status": status_name(status),
                     "reason": reason,
                     "wrong": wrong,
                     "stray": stray,
@@ -501,7 +513,7 @@ def _abort_and_wait_for_drain(mgr, receiver, req, latent, dst):
         assert unsafe_polls < 3000, "no drain ack within 30 s"
         time.sleep(0.01)
     safe_at = time.monotonic()
-    landed = all(torch.equal(latent[0][page], _pattern(logical, 0, 0, KV_PAGE_BYTES))
+    landed = all(torch.equal(latent[0][page], pattern(logical, 0, 0, KV_PAGE_BYTES))
                  for logical, page in zip(req["pages"], dst) if logical % req["cp_size"] == req["slow_rank"])  # fmt: skip
     mgr.clear_deferred_abort_state(req["room"])
     receiver.clear()
@@ -509,7 +521,7 @@ def _abort_and_wait_for_drain(mgr, receiver, req, latent, dst):
 
 
 # ---- the harness --------------------------------------------------------------------------------------
-def _attn_cp_group(rank, world_size, cp_size):
+def attn_cp_group(rank, world_size, cp_size):
     """SGLang's attention-CP `GroupCoordinator` over the prefill ranks 0..N-1 (gloo): the shard
     group of their pools. Creating a group is collective, so every process builds it; a decode
     gets a group of its own. The pool's PyNccl history gather becomes a gloo all-gather
@@ -532,9 +544,9 @@ def _role(rank, world_size, group, cp_size, decodes, prefill_requests, faults, b
     """One process of a PD run (`run_ranks`): ranks 0..N-1 are the prefill CP ranks, the others
     the decodes, in `decodes` order. Each serves until every role is done (the barrier: a prefill
     rank's bootstrap server and transfer threads must outlive the decodes' last poll)."""
-    shard_group = _attn_cp_group(rank, world_size, cp_size)
+    shard_group = attn_cp_group(rank, world_size, cp_size)
     if rank < cp_size:
-        out = _prefill_rank(rank, cp_size, shard_group, bootstrap_port, prefill_requests, faults, draft, kv)
+        out = prefill_rank(rank, cp_size, shard_group, bootstrap_port, prefill_requests, faults, draft, kv)
     else:
         name, (plugin, requests) = list(decodes.items())[rank - cp_size]
         out = _decode(name, plugin, bootstrap_port, requests, draft, kv)
@@ -560,14 +572,14 @@ def request(room, pages, dst, chunks=None, **extra):
     return dict(room=room, pages=list(pages), dst=list(dst), aux=room % 16, chunks=chunks or [len(pages)], **extra)
 
 
-def allocator_pages(cp_size, num_pages):
+def allocator_pages(cp_size, num_pages, prefill_pages=PREFILL_PAGES):
     """Logical pages of requests of `num_pages` pages each, taken in turn from SGLang's
     owner-rotating allocator over the prefill group's pages (`PageInterleavePoolAllocator`, what a
     server builds under KV sharding; `RotatedPagedRequests` drives it)."""
     from helpers.paged_requests import RotatedPagedRequests
 
     table = torch.zeros((len(num_pages), max(num_pages) * PAGE), dtype=torch.int32)
-    requests = RotatedPagedRequests(table, PREFILL_PAGES // cp_size - 1, PAGE, cp_size)
+    requests = RotatedPagedRequests(table, prefill_pages // cp_size - 1, PAGE, cp_size)
     out = []
     for i, n in enumerate(num_pages):
         _, _, loc = requests.extend([(i, n * PAGE)])

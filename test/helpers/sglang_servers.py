@@ -50,8 +50,11 @@ SERVER_ENV = {
     "MOONCAKE_PROTOCOL": "tcp",
     "MC_FORCE_TCP": "1",
     "SGLANG_HOST_IP": "127.0.0.1",
-    # Mooncake listens on every interface; this test machine's servers talk over loopback only
+    # Mooncake listens on every interface whatever its host; these servers talk over loopback only,
+    # and its ports come from a range below free_ports' (the range a deployment firewalls)
     "SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED": "1",
+    "MC_MIN_RPC_PORT": "9000",
+    "MC_MAX_RPC_PORT": "9499",
     "OMP_NUM_THREADS": "1",
     "SGLANG_CPU_OMP_THREADS_BIND": "0|1",
     "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
@@ -228,9 +231,14 @@ class Proc:
 
 @dataclass
 class Server(Proc):
-    """`python -m sglang.launch_server` with its HTTP port first in `ports`."""
+    """`python -m sglang.launch_server` with its HTTP port first in `ports` and its torch.distributed
+    store port (`--nccl-port`) second."""
 
     bootstrap_port: int | None = None
+
+    @property
+    def nccl_port(self) -> int:
+        return self.ports[1]
 
     @property
     def url(self) -> str:
@@ -244,6 +252,11 @@ class Server(Proc):
 
     def info(self) -> dict:
         return requests.get(self.url + "/get_server_info", timeout=10).json()
+
+    def pids(self) -> list[int]:
+        """Every process of this server (its process group)."""
+        out = subprocess.run(["ps", "-o", "pid=", "-g", str(self.pgid)], capture_output=True, text=True).stdout
+        return [int(pid) for pid in out.split()]
 
     def scheduler_pids(self) -> dict[str, int]:
         """The scheduler processes of this server by process title (`sglang::scheduler_ATTN_CP1_TP1`)."""
@@ -323,8 +336,11 @@ def one_context_scratch() -> str:
     return f"prefix_tokens={-(-MODEL['max_position_embeddings'] // span) * span} chunk_tokens={CHUNK_TOKENS} "
 
 
-def server_command(model: str, port: int, role_args: list[str], bootstrap_port: int | None) -> list[str]:
+def server_command(
+    model: str, port: int, role_args: list[str], bootstrap_port: int | None, nccl_port: int
+) -> list[str]:
     cmd = [PYTHON, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1", "--port", str(port),
+           "--nccl-port", str(nccl_port),
            *DSA_ARGS, "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--chunked-prefill-size", str(CHUNK_TOKENS),
            "--sleep-on-idle", "--skip-server-warmup", *role_args]  # fmt: skip
     if bootstrap_port is not None:
@@ -380,9 +396,9 @@ class Cluster:
         (self.workdir / "tmp").mkdir(parents=True, exist_ok=True)
         for name in self.roles:
             role_args, needs_bootstrap = ROLES[name]
-            ports = free_ports(2 if needs_bootstrap else 1)
-            bootstrap = ports[1] if needs_bootstrap else None
-            server = Server(name, server_command(self.model, ports[0], role_args, bootstrap), env,
+            ports = free_ports(3 if needs_bootstrap else 2)  # HTTP, torch.distributed's store, bootstrap
+            bootstrap = ports[2] if needs_bootstrap else None
+            server = Server(name, server_command(self.model, ports[0], role_args, bootstrap, ports[1]), env,
                             self.workdir / "logs" / f"{name}.log", ports, bootstrap_port=bootstrap)  # fmt: skip
             self.servers[name] = server
             self.procs.append(server.start())

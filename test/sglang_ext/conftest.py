@@ -1,8 +1,13 @@
 """Fixtures of the start-up tests: the plugin loaded as SGLang loads it, and the GPU node that
 SGLang's argument resolution inspects, stood in on CPU."""
 
+import os
+
 import pytest
 import torch
+
+# What a resolution with the flag writes into the launcher's environment for its schedulers.
+RESOLUTION_SETS = ("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES")
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +25,7 @@ def sm90(monkeypatch):
     """SM90's capability; a CUDA platform's Mamba/KDA state snapshots (GLM-5-Next's radix cache asks
     before CP is checked); no SGLANG_NSA_CP_SHARED_KV from the environment; a node whose Mooncake
     ports are confined (SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED=1, as docs/deploy.md sets it); the
-    process-wide CP strategy that resolution installs restored afterwards."""
+    process-wide CP strategy and the environment that resolution sets restored afterwards."""
     from sglang.srt.arg_groups import mamba_hook
     from sglang.srt.layers.cp import base as cp_base
 
@@ -28,6 +33,8 @@ def sm90(monkeypatch):
     monkeypatch.setattr(mamba_hook, "_platform_supports_mamba_cache_extra_buffer", lambda: True)
     monkeypatch.delenv("SGLANG_NSA_CP_SHARED_KV", raising=False)
     monkeypatch.setenv("SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED", "1")
-    saved = cp_base._STRATEGY
+    saved, saved_env = cp_base._STRATEGY, {name: os.environ.get(name) for name in RESOLUTION_SETS}
     yield
     cp_base._STRATEGY = saved
+    for name, value in saved_env.items():  # what the test's resolutions set stays in the test
+        os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)

@@ -318,16 +318,24 @@ def test_unconfined_mooncake_ports_refuse_the_flag_naming_the_setting(plugin, mo
     assert getattr(_resolve(_argv(models["v32"])), ATTR) is True
 
 
-def test_the_flag_raises_mooncakes_tcp_queue_limit_unless_the_operator_set_one(plugin, models, sm90, monkeypatch):
-    """Mooncake's TCP transport fails batches past ~2048 entries per peer at its default limits
-    (docs/sglang_cpu_server_pd_concurrent.md): the flag's resolution sets its maximum, which the
-    schedulers inherit, and keeps an operator's own value."""
-    monkeypatch.delenv("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", raising=False)
+def test_the_flag_sizes_mooncakes_tcp_queue_and_sglangs_batches_unless_the_operator_did(
+    plugin, models, sm90, monkeypatch
+):
+    """Mooncake's TCP transport fails batches past ~2048 entries per peer at its default queue and
+    takes at most 65535 (docs/sglang_cpu_server_pd_concurrent.md, test_pd_many_pages.py): the flag's
+    resolution sets the queue's maximum and SGLang's batch bound to fit it (an entry a page and layer,
+    the tiny model's 2 layers plus one for MTP), which the schedulers inherit; an operator's own
+    values stay."""
+    for name in ("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES"):
+        monkeypatch.delenv(name, raising=False)
     _resolve(_argv(models["v32"]))
     assert os.environ["MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"] == "65535"
+    assert os.environ["SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES"] == str(65535 // 3)
     monkeypatch.setenv("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "4096")
+    monkeypatch.setenv("SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES", "100")
     _resolve(_argv(models["v32"]))
     assert os.environ["MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"] == "4096"
+    assert os.environ["SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES"] == "100"
 
 
 def test_page_size_other_than_64_is_refused(plugin, monkeypatch):

@@ -31,6 +31,7 @@ import requests  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from helpers import sglang_servers as S  # noqa: E402
+from helpers.listeners import is_wildcard, listening_sockets  # noqa: E402
 
 register_cpu_ci(est_time=240, suite="nsa-cp-test-cpu")
 
@@ -133,6 +134,24 @@ def test_without_the_pd_secret_the_shared_prefill_and_the_decode_each_say_so_onc
         name: len(_log_lines_since(cluster.servers[name], 0, line)) for name in ("shared", "decode", "replicated")
     }
     assert counts == {"shared": S.CP, "decode": 1, "replicated": 0}, counts
+
+
+def test_every_listener_is_on_the_servers_interface_but_mooncakes(cluster):
+    """Issue 32: the PD servers listen on 127.0.0.1 (their --host and SGLANG_HOST_IP; ZMQ, HTTP,
+    bootstrap), read from /proc per process, with two exceptions on every interface: Mooncake's
+    handshake and TCP data listeners (no setting binds them: test_listeners.py), inside
+    MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, the range a deployment firewalls (docs/deploy.md); and
+    torch.distributed's store (`--nccl-port`, torch's TCPStore binds every interface)."""
+    low, high = int(S.SERVER_ENV["MC_MIN_RPC_PORT"]), int(S.SERVER_ENV["MC_MAX_RPC_PORT"])
+    for name in ("shared", "decode"):
+        server = cluster.servers[name]
+        listeners = [(pid, a, p) for pid in server.pids() for a, p in listening_sockets(pid)]
+        elsewhere = [(pid, a, p) for pid, a, p in listeners if not is_wildcard(a) and a != "127.0.0.1"]
+        assert not elsewhere, f"{name}: listeners off the configured interface: {elsewhere}"
+        open_to_all = [(pid, a, p) for pid, a, p in listeners if is_wildcard(a) and p != server.nccl_port]
+        assert open_to_all and all(low <= p <= high for _, _, p in open_to_all), (
+            f"{name}: listeners on every interface outside Mooncake's range {low}..{high}: {open_to_all}"
+        )
 
 
 def test_concurrent_requests_of_mixed_lengths_match_the_oracles(cluster):

@@ -340,9 +340,11 @@ def validate(server_args: Any) -> None:
         # SGLang's own KV sharding does the work: its page-interleaved pool (the plugin's
         # subclass), owner-rotating allocator, admission gate, HiCache tier and owner-page send.
         declare_resolution(server_args, FLAG, enable_kv_cache_sharding=True)
-        # Mooncake's TCP transport fails batches past ~2048 entries a peer at its default
-        # (docs/sglang_cpu_server_pd_concurrent.md); the schedulers inherit the launcher's environment.
-        os.environ.setdefault("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "65535")  # Mooncake's most
+        # Mooncake's TCP queue takes ~2048 entries a peer by default, 65535 at most: the most, and
+        # SGLang's batches (an entry a page and layer, MTP's included) kept under it. Inherited.
+        os.environ.setdefault("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "65535")
+        layers = model_config_of(server_args).num_hidden_layers + 1
+        os.environ.setdefault("SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES", str(65535 // layers))
         logger.info(
             "%s: shared-KV prefill CP on SGLang's KV sharding (attn_cp_size=%d)",
             FLAG,
