@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
 
 from sglang_nsa_cp.envs import MIN_SECRET_BYTES, envs
-
-logger = logging.getLogger(__name__)
 
 MAC_BYTES = 32  # HMAC-SHA256
 FROM_ENV = "from-env"  # default of every `secret=` argument: read SGLANG_NSA_CP_PD_SECRET

@@ -292,14 +292,6 @@ def test_mutations_of_every_kind_are_dropped():
             assert decode_message_problem(mgr, msg) is not None, (staging, msg)
 
 
-def test_status_names_are_sglangs_kvpoll():
-    from sglang.srt.disaggregation.base.conn import KVPoll
-
-    from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import STATUS_NAMES
-
-    assert STATUS_NAMES == {getattr(KVPoll, n): n for n in vars(KVPoll) if not n.startswith("_")}
-
-
 def test_a_shared_kv_prefill_signs_what_the_guard_checks():
     """The prefill side of the status signature: a shared-KV rank with the secret signs every
     status it sends without a manifest, for the uses it was asked for; the decode's guard takes

@@ -216,6 +216,11 @@ def _label(room: int, prefill_rank: int) -> bytes:
     return f"nsa-cp-owned-pages|{room}|{prefill_rank}".encode()
 
 
+def pool_pages(kv_args) -> int:
+    """Pages of a manager's largest KV buffer (SGLang's `KVArgs`), the most any request can take."""
+    return max((n // max(i, 1) for n, i in zip(kv_args.kv_data_lens, kv_args.kv_item_lens)), default=0)
+
+
 def max_manifest_bytes(num_pages: int) -> int:
     """The largest frame a manifest of a `num_pages`-page request needs: 4 lists of at most
     `num_pages` ints (9 msgpack bytes each at most), the MAC and a few hundred bytes."""

@@ -23,6 +23,8 @@ import struct
 import time
 from collections import deque
 
+from sglang.srt.disaggregation.base.conn import KVPoll
+
 from sglang_nsa_cp.disagg import auth
 from sglang_nsa_cp.disagg.manifest import cut
 from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import (
@@ -31,6 +33,7 @@ from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import (
     ManifestOfAnotherUse,
     UnauthenticatedManifest,
     decode_manifest,
+    pool_pages,
 )
 
 logger = logging.getLogger(__name__)
@@ -47,8 +50,8 @@ MAX_DIGITS = 20
 MAX_ID_BYTES = 256  # a staging writer or session id
 MAX_REASON_BYTES = 16 << 10  # SGLang's and the plugin's reasons are a few hundred bytes
 MAX_USES = 1024  # decode destinations of one room
-STATUS_NAMES = {0: "Failed", 1: "Bootstrapping", 2: "WaitingForInput", 3: "Transferring", 4: "Success"}  # KVPoll
-SUCCESS = 4
+STATUS_NAMES = {getattr(KVPoll, name): name for name in vars(KVPoll) if not name.startswith("_")}
+SUCCESS = KVPoll.Success
 
 
 class _Drop(Exception):
@@ -121,10 +124,7 @@ def _aux_data(mgr, msg) -> None:
 def _room_pages(mgr, room: int) -> int:
     """Pages the decode asked for in `room`, else (no record) pages of its pool."""
     expected = mgr.room_expectations.get(room)
-    if expected is not None:
-        return expected.kv_pages
-    args = mgr.kv_args
-    return max((n // max(i, 1) for n, i in zip(args.kv_data_lens, args.kv_item_lens)), default=0)
+    return expected.kv_pages if expected is not None else pool_pages(mgr.kv_args)
 
 
 def _staging_on(mgr, what: str) -> None:

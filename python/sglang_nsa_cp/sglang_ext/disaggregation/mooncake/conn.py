@@ -38,6 +38,7 @@ from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import (
     decode_manifest,
     encode_manifest,
     max_manifest_bytes,
+    pool_pages,
     verify_manifests,
 )
 from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import DropLog, guard_recv, sign_status
@@ -113,8 +114,7 @@ class OwnedPageKVManager(MooncakeKVManager):
         # Decode: status messages carry manifests of at most the pool's pages; nothing SGLang
         # sends to this socket comes near 1 MiB.
         _warn_once_if_unprotected(disaggregation_mode, self.pd_secret)
-        pool_pages = max((n // max(i, 1) for n, i in zip(args.kv_data_lens, args.kv_item_lens)), default=0)
-        with limited_status_frames((1 << 20) + max_manifest_bytes(pool_pages)):
+        with limited_status_frames((1 << 20) + max_manifest_bytes(pool_pages(args))):
             super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
 
     def _make_worker_recv(self, socket, timeout_ms=500):
@@ -151,7 +151,17 @@ class OwnedPageKVManager(MooncakeKVManager):
             return
         self.destination_nonces.setdefault(room, {})[session] = nonce[len(USE_NONCE_TAG) :]
 
-    def add_transfer_request(self, bootstrap_room, kv_indices, index_slice, is_last_chunk, *args, **kwargs):
+    def add_transfer_request(
+        self,
+        bootstrap_room,
+        kv_indices,
+        index_slice,
+        is_last_chunk,
+        aux_index=None,
+        state_indices=None,
+        *args,
+        **kwargs,
+    ):
         """Records the KV pages handed to the transfer queue (request positions, local page ids)
         for the rank's self-check and manifest; fails the room with a reason, instead of queueing,
         when a decode destination list is shorter than the positions it must hold (SGLang's worker
@@ -180,13 +190,14 @@ class OwnedPageKVManager(MooncakeKVManager):
                         )
                         return None
             ledger.queue_kv(bootstrap_room, positions, local)
-            state_indices = kwargs.get("state_indices", args[1] if len(args) > 1 else None)
             if is_last_chunk and state_indices:
                 types = getattr(self.kv_args, "state_types", [])
                 dsa = [i for i, st in enumerate(types) if st == StateType.DSA]
                 if any(i < len(state_indices) and state_indices[i] is not None for i in dsa):
                     ledger.expect_index(bootstrap_room)
-        return super().add_transfer_request(bootstrap_room, kv_indices, index_slice, is_last_chunk, *args, **kwargs)
+        return super().add_transfer_request(
+            bootstrap_room, kv_indices, index_slice, is_last_chunk, aux_index, state_indices, *args, **kwargs
+        )
 
     def maybe_send_extra(self, req, prefill_state_indices, executor, *args, **kwargs):
         """Records the index-K pages this rank owns (last chunk, per decode destination), which
@@ -389,13 +400,12 @@ def _expected_prefill_ranks(receiver) -> list[int]:
 class OwnedPageKVReceiver(MooncakeKVReceiver):
     """SGLang's Mooncake receiver, recording what it asks for so the manifests can be checked."""
 
-    def send_metadata(self, kv_indices, *args, **kwargs):
+    def send_metadata(self, kv_indices, aux_index=None, state_indices=None, *args, **kwargs):
         """Remember what this decode asks for in the room (destination pages of each kind, the
         prefill CP size it targets) before asking, so a status that answers at once is checked
         against it."""
         info = getattr(self, "prefill_info", None)
         if info is not None and info.attn_cp_size:
-            state_indices = kwargs.get("state_indices", args[1] if len(args) > 1 else None)
             types = list(getattr(self.kv_mgr.kv_args, "state_types", []) or [])
             dsa = [s for i, s in enumerate(state_indices or []) if i < len(types) and types[i] == StateType.DSA]
             index_pages = len(dsa[0]) if dsa and dsa[0] is not None else None
@@ -403,10 +413,9 @@ class OwnedPageKVReceiver(MooncakeKVReceiver):
                 len(kv_indices), index_pages, int(info.attn_cp_size)
             )
         self.kv_mgr.room_nonces[self.bootstrap_room] = os.urandom(USE_NONCE_BYTES)  # this use of the room
-        aux_index = kwargs.get("aux_index", args[0] if args else None)
         if aux_index is not None:  # the one slot a prefill may write this room's metadata to
             self.kv_mgr.room_aux_indices[self.bootstrap_room] = int(aux_index)
-        return super().send_metadata(kv_indices, *args, **kwargs)
+        return super().send_metadata(kv_indices, aux_index, state_indices, *args, **kwargs)
 
     def _check_waiting_timeout(self):
         """A room that times out names the prefill ranks whose status never came (the reason
