@@ -12,9 +12,9 @@ runs: SGLang's `PageInterleaveDSATokenToKVPool` replaced by the plugin's subclas
 context plus one chunk) and `sglang_pool` (a benchmark-only comparison: SGLang's own class built
 directly, its Blackwell-only backend validator bypassed, its default scratch of eight contexts plus
 one chunk, the plugin's runtime hooks off). Request pages come from SGLang's owner-rotating
-allocator on every path. With a GPU per rank the sharded pools gather history one layer ahead with
-SGLang's real PyNccl communicator; `--share-gpu` puts every rank on GPU 0 over gloo with
-`GlooAllGather` standing in for it: a check that the paths run and agree, its times mean nothing.
+allocator on every path. The sharded pools gather history one layer ahead with SGLang's real
+PyNccl communicator; `--share-gpu` puts every rank on GPU 0, each its own NCCL host (NCCL's socket
+transport on loopback): a check that the paths run and agree, its times mean nothing.
 
 The model is SGLang's `GlmMoeDsaForCausalLM` with GLM-5's attention and dense-MLP dimensions,
 `--layers` layers, every one dense, and random weights (test/helpers/sglang_gpu_harness.py);
@@ -169,7 +169,7 @@ def rank_main(rank, world, group, args, model_path):
 
     with open(os.path.join(model_path, "config.json")) as f:
         written = json.load(f)
-    stand_ins = G.STAND_INS + ([G.GLOO_GATHER_STAND_IN] if G.comm_setup(rank, world)[0] == "gloo" else [])
+    stand_ins = G.STAND_INS + ([G.SHARED_GPU_NOTE] if G.shares_gpu(world) else [])
     model_cfg = G.model_as_run(written, sa, stand_ins)
     return (
         {
@@ -361,13 +361,13 @@ def main(argv=None):
     p.add_argument(
         "--share-gpu",
         action="store_true",
-        help="every rank on GPU 0 over gloo, GlooAllGather for the pool's PyNccl gather: checks only, times mean nothing",
+        help="every rank on GPU 0, NCCL over sockets (one NCCL_HOSTID per rank): checks only, times mean nothing",
     )
     args = p.parse_args(argv)
     if torch.cuda.device_count() < args.cp and not args.share_gpu:
         sys.exit(
             f"--cp {args.cp} needs {args.cp} GPUs for timings; this machine has {torch.cuda.device_count()} "
-            "(--share-gpu runs the paths on one GPU over gloo, for checks only)"
+            "(--share-gpu runs the paths on one GPU, NCCL over sockets, for checks only)"
         )
     if args.share_gpu and torch.cuda.device_count() >= args.cp:
         sys.exit(f"--share-gpu is for machines with fewer than --cp {args.cp} GPUs; drop it here")
@@ -377,8 +377,7 @@ def main(argv=None):
     print(json.dumps(machine))  # STYLE 10: the machine first
     config = G.glm5_config(args.layers)
     model_path = G.write_config(tempfile.mkdtemp(prefix="glm5_attn_"), config)
-    backend = G.comm_setup(0, args.cp)[0]
-    out = run_ranks(rank_main, args.cp, args=(args, model_path), backend=backend, timeout_s=3000)[0]
+    out = run_ranks(rank_main, args.cp, args=(args, model_path), backend="nccl", timeout_s=3000)[0]
     raw = report(out, args, machine, config)
     name = "bench_sglang_prefill" + ("_fp8" if args.kv_cache_dtype == "fp8_e4m3" else "")
     name += "_share_gpu" if args.share_gpu else ""

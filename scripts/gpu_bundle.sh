@@ -13,11 +13,22 @@ REPO=$PWD
 OUT=${GPU_BUNDLE_DIR:-$REPO/.gpu_bundle}
 PY_VERSION=${GPU_BUNDLE_PYTHON:-3.12}
 BUDGET_MIB=55
+PARTS="sglang.tar.xz deps.tar.xz flash_mla.tar.xz sgl_kernel.tar.xz mooncake.tar.xz router.tar.xz"
 PYTHON=${PYTHON:-python3}
 
 SGLANG=sglang==0.5.23
 SGL_KERNEL=sglang-kernel==0.4.10 # only its pure-Python package travels (see gpu_stand_ins.py)
 FLASH_MLA=sgl-flash-mla==1.0.0   # torch stable ABI: loads on torch 2.11
+# SGLang's real servers (scripts/gpu_run.sh server): Mooncake's CUDA transfer engine, trimmed to
+# what `mooncake.engine` loads, and SGLang's PD router (one Rust extension).
+MOONCAKE=mooncake-transfer-engine-cuda13==0.3.14
+ROUTER=sglang-router==0.3.2
+MOONCAKE_FILES=(
+  mooncake/__init__.py mooncake/engine.so mooncake/engine.pyi mooncake/libasio.so mooncake/libetcd_wrapper.so
+  'mooncake_transfer_engine_cuda13.libs/libyaml-cpp-*' 'mooncake_transfer_engine_cuda13.libs/libjsoncpp-*'
+  'mooncake_transfer_engine_cuda13.libs/libglog-*' 'mooncake_transfer_engine_cuda13.libs/libgflags-*'
+  'mooncake_transfer_engine_cuda13-*.dist-info'
+)
 # SGLang's import-time dependencies that the GPU machine lacks, found by importing SGLang's DSA
 # modules and running its DSA forward on CPU (test/sglang_ext/layers/test_sglang_model_forward.py) on a venv that
 # holds only the GPU machine's packages (docs/gpu_bundle.md). Versions
@@ -30,6 +41,9 @@ DEPS=(
   partial-json-parser==0.2.1.1.post7 pybase64==1.5.1 pydantic==2.14.4 pydantic-core==2.50.5
   pyzmq==27.3.0 sniffio==1.3.1 starlette==1.10.0 traitlets==5.16.1 transformers==5.19.0
   typing-extensions==4.16.0 typing-inspection==0.4.5 uvicorn==0.54.0
+  # the HTTP server, tokenizer manager and scheduler processes (found by importing them on CPU)
+  jsonschema==4.26.0 jsonschema-specifications==2025.9.1 python-multipart==0.0.34 referencing==0.37.0
+  rpds-py==2026.9.1 setproctitle==1.3.8 xgrammar==0.2.7
 )
 # Parts of the sglang tree that no DSA forward, CP strategy, KV pool, model loader, ServerArgs
 # resolution or distributed init imports: diffusion, benchmarks, tests, and the Rust extensions
@@ -65,7 +79,7 @@ download() { # download DIR SPEC...: wheels for CPython $PY_VERSION on x86-64 Li
 
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-mkdir -p "$WORK/wheels" "$WORK/dl_sglang" "$WORK/dl_sgk" "$WORK/dl_fmla"
+mkdir -p "$WORK/wheels" "$WORK/dl_sglang" "$WORK/dl_sgk" "$WORK/dl_fmla" "$WORK/dl_mc" "$WORK/dl_router"
 
 # A wheel's install is its unzip: purelib and platlib both land in one site dir, scripts (the
 # ninja binary that torch's cpp_extension builds with) in its bin/.
@@ -99,6 +113,8 @@ echo "gpu_bundle: downloading wheels for CPython $PY_VERSION (x86-64 Linux)"
 download "$WORK/dl_sglang" "$SGLANG"
 download "$WORK/dl_sgk" "$SGL_KERNEL"
 download "$WORK/dl_fmla" "$FLASH_MLA"
+download "$WORK/dl_mc" "$MOONCAKE"
+download "$WORK/dl_router" "$ROUTER"
 download "$WORK/wheels" "${DEPS[@]}"
 n_wheels=$(ls "$WORK/wheels" | wc -l)
 [ "$n_wheels" -eq "${#DEPS[@]}" ] || fail "expected ${#DEPS[@]} dependency wheels, got $n_wheels in $WORK/wheels"
@@ -152,16 +168,37 @@ find "$K" -name '*.so' -delete
 rm -f "$K"/sglang_kernel-*.dist-info/RECORD
 pack "$OUT/sgl_kernel.tar.xz" "$K" .
 
+# 5. mooncake: the CUDA transfer engine and the libraries engine.so links (its RPATH is $ORIGIN
+#    and $ORIGIN/../mooncake_transfer_engine_cuda13.libs); the store, master, EP and process-group
+#    binaries (most of the wheel) stay out. libcudart, libcuda, libibverbs, libnuma and libcurl come
+#    from the GPU machine.
+M=$WORK/mooncake
+unpack_wheel "$WORK"/dl_mc/*.whl "$M.all"
+mkdir -p "$M"
+(
+  cd "$M.all"
+  # shellcheck disable=SC2086 # globs in MOONCAKE_FILES expand here
+  cp -a --parents ${MOONCAKE_FILES[*]} "$M/"
+)
+rm -f "$M"/mooncake_transfer_engine_cuda13-*.dist-info/RECORD
+pack "$OUT/mooncake.tar.xz" "$M" .
+
+# 6. router: sglang-router, installed (its Rust extension is abi3).
+R=$WORK/router
+unpack_wheel "$WORK"/dl_router/*.whl "$R"
+rm -f "$R"/sglang_router-*.dist-info/RECORD
+pack "$OUT/router.tar.xz" "$R" .
+
 # What went in, for the doc and for the unpack step's check.
 {
   echo "python $PY_VERSION"
-  for d in dl_sglang dl_sgk dl_fmla wheels; do ls "$WORK/$d"; done
+  for d in dl_sglang dl_sgk dl_fmla dl_mc dl_router wheels; do ls "$WORK/$d"; done
 } >"$OUT/MANIFEST"
 
 mib() { awk -v n="$1" -v b="$2" -v x="${3:-}" 'BEGIN { printf "%-20s %10d  %6.2f MiB %s\n", n, b, b / 1048576, x }'; }
 total=0
 printf '%-20s %10s\n' part bytes
-for f in sglang.tar.xz deps.tar.xz flash_mla.tar.xz sgl_kernel.tar.xz MANIFEST; do
+for f in $PARTS MANIFEST; do
   b=$(stat -c %s "$OUT/$f")
   total=$((total + b))
   mib "$f" "$b"

@@ -4,11 +4,15 @@
 # Logs and results go to ${OUT:-gpu_out}.
 #
 #   bash scripts/gpu_run.sh [tests|bench|all] [benchmark arguments...]
+#   bash scripts/gpu_run.sh server [scripts/sglang_server_check.py arguments...]
 #
-# `tests` runs the GPU suite, nsa-cp-test-1-gpu-h200 (SGLang's forward puts a rank on each GPU over
-# NCCL where there are enough, the sharded pool gathering history with SGLang's PyNccl communicator;
-# else the ranks share GPU 0 over gloo and GlooAllGather stands in for that communicator:
-# test/helpers/sglang_gpu_harness.py `comm_setup`, `use_gloo_history_gather`), one pytest process
+# `server` starts SGLang's real servers with the flag on this GPU (docs/sglang_gpu_server.md) and
+# checks them over HTTP against a non-CP oracle; with no arguments, bf16 and fp8 KV at CP 2 and 4
+# and a 100k-token prompt that only the shared-KV prefill can hold.
+#
+# `tests` runs the GPU suite, nsa-cp-test-1-gpu-h200 (SGLang's forward over NCCL, the sharded pool
+# gathering history with SGLang's PyNccl communicator; a GPU per rank where there are enough, else
+# every rank on GPU 0 as its own NCCL host: test/helpers/distributed.py `nccl_device`), one pytest process
 # per file so the log ends with each file's time beside its est_time; docs/testing.md lists the
 # suites. The benchmark needs a GPU per rank for timings (`bench --share-gpu`: checks only).
 #
@@ -24,6 +28,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 source scripts/gpu_unpack.sh /tmp/site >/dev/null || exit 1
 python3 scripts/check_gpu_imports.py >"$out/imports.log" 2>&1 || { tail -30 "$out/imports.log"; exit 1; }
+if [ "$what" = server ]; then
+  [ $# -gt 0 ] || set -- --configs bfloat16:2 bfloat16:4 fp8_e4m3:2 fp8_e4m3:4 --long-prompt 100000
+  python3 scripts/sglang_server_check.py --device cuda --out "$out" "$@" 2>&1 | tee "$out/sglang_server_check.log" | tail -60
+  exit "${PIPESTATUS[0]}"
+fi
 status=0
 if [ "$what" != bench ]; then
   python3 scripts/run_suite.py --suite nsa-cp-test-1-gpu-h200 --per-file -- -s 2>&1 |

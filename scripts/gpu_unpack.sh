@@ -17,7 +17,7 @@ _gpu_unpack() {
   target=${1:-/tmp/site}
   bundle=${GPU_BUNDLE_DIR:-$repo/.gpu_bundle}
   py=${PYTHON:-python3}
-  for f in sglang.tar.xz deps.tar.xz flash_mla.tar.xz sgl_kernel.tar.xz MANIFEST; do
+  for f in sglang.tar.xz deps.tar.xz flash_mla.tar.xz sgl_kernel.tar.xz mooncake.tar.xz router.tar.xz MANIFEST; do
     if [ ! -f "$bundle/$f" ]; then
       echo "gpu_unpack: $bundle/$f is missing: build the bundle with 'bash scripts/gpu_bundle.sh' where" \
         "the package index is reachable, and name .gpu_bundle in the run's carry" >&2
@@ -36,7 +36,7 @@ import hashlib, os, shutil, sys, tarfile, time, tomllib
 
 bundle, target, repo = sys.argv[1:]
 t0 = time.monotonic()
-parts = ["sglang.tar.xz", "deps.tar.xz", "flash_mla.tar.xz", "sgl_kernel.tar.xz"]
+parts = ["sglang.tar.xz", "deps.tar.xz", "flash_mla.tar.xz", "sgl_kernel.tar.xz", "mooncake.tar.xz", "router.tar.xz"]
 digest = hashlib.sha256()
 for part in parts + ["MANIFEST"]:
     with open(os.path.join(bundle, part), "rb") as f:

@@ -51,6 +51,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# NCCL over sockets on loopback: what lets several ranks share one GPU (see nccl_device).
+SHARED_GPU_NCCL_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1",
+                       "NCCL_SOCKET_IFNAME": "lo"}  # fmt: skip
+
+
+def nccl_device(rank: int) -> int:
+    """The GPU of NCCL rank `rank`: its own where the machine has one per rank; else GPU 0, as a
+    host of its own. NCCL refuses two ranks of one host on one device ("Duplicate GPU detected");
+    a distinct NCCL_HOSTID per rank makes it treat them as hosts and use its socket transport:
+    exact, slow (correctness only, never a timing). Call before the rank's first NCCL collective."""
+    if torch.cuda.device_count() > rank:
+        return rank
+    os.environ.update(SHARED_GPU_NCCL_ENV, NCCL_HOSTID=f"nsa-cp-test-rank-{rank}")
+    return 0
+
+
 def _worker(rank, world_size, port, backend, timeout_s, stack_path, calls, results):
     # Kept open for the process's life: faulthandler writes to its descriptor on a crash
     # (SIGSEGV, SIGABRT, ...) and on SIGUSR1, which the parent sends past the deadline.
@@ -63,7 +79,7 @@ def _worker(rank, world_size, port, backend, timeout_s, stack_path, calls, resul
         group = None
         if backend is not None:
             if backend == "nccl":
-                torch.cuda.set_device(rank)
+                torch.cuda.set_device(nccl_device(rank))
             dist.init_process_group(
                 backend,
                 init_method=f"tcp://127.0.0.1:{port}",

@@ -37,8 +37,21 @@ import types
 
 AUDIT_DOC = "docs/sglang_gpu_forward_audit.md"
 
-# (stand-in name, caller "file:line", kind) in the order they happened; kind is "call" or "lookup".
-_USES: list[tuple[str, str, str]] = []
+
+class _Uses(list):
+    """(stand-in name, caller "file:line", kind) in the order they happened; kind is "call" or
+    "lookup". `on_first_use`, when set, sees each distinct use once, as it happens (a server logs
+    it: its processes are killed, not asked for a report)."""
+
+    on_first_use = None
+
+    def append(self, use) -> None:
+        if self.on_first_use is not None and use not in self:
+            self.on_first_use(use)
+        super().append(use)
+
+
+_USES = _Uses()
 _INSTALLED: set[str] = set()
 
 

@@ -82,9 +82,9 @@ STAND_INS = [
     "decode paged MQA logits: SGLang's torch fallback",
     "custom all-reduce, multicast logits gather: NCCL",
 ]
-GLOO_GATHER_STAND_IN = (
-    "sharded pool's history gather: GlooAllGather over the shard group's gloo group "
-    "(ranks share one GPU; NCCL cannot put two ranks on one device)"
+SHARED_GPU_NOTE = (
+    "ranks share GPU 0: NCCL over its socket transport on loopback, one NCCL_HOSTID per rank "
+    "(helpers/distributed.py nccl_device); exact, so the checks hold, but no timing means anything"
 )
 
 
@@ -105,37 +105,19 @@ def install() -> None:
     gpu_stand_ins.install()
 
 
-def comm_setup(rank: int, world: int) -> tuple[str, int]:
-    """(backend, GPU) of `rank`: NCCL with a GPU per rank where there are enough GPUs; otherwise
-    every rank on GPU 0 over gloo (NCCL refuses two ranks on one GPU). The kernels and the data are
-    the same either way, so the bit-for-bit checks hold; only the collectives' speed differs, which
-    is why the benchmark insists on a GPU per rank."""
-    gpus = torch.cuda.device_count()
-    return ("nccl", rank) if gpus >= world else ("gloo", 0)
-
-
-def use_gloo_history_gather() -> None:
-    """Ranks sharing one GPU: SGLang's sharded pool builds a `PyNcclCommunicator` on its shard
-    group for the history all-gather, and NCCL cannot put two ranks on one device. The CPU
-    harness's `GlooAllGather` stands in: the same in-place all-gather of the same bytes, over the
-    group's gloo group (CUDA tensors pass through host memory). With a GPU per rank (`nccl`) the
-    pool keeps SGLang's real PyNccl communicator. SGLang's zero-SM symmetric gather scratch is an
-    NCCL window, so it is off here (SGLang turns it off itself below NCCL 2.31.2)."""
-    from sglang.srt.mem_cache import page_interleave_pool
-
-    os.environ["SGLANG_ENABLE_KV_SHARD_ZERO_SM_GATHER"] = "0"
-
-    from helpers.sglang_cpu_stand_ins import GlooAllGather
-
-    page_interleave_pool.PyNcclCommunicator = GlooAllGather
+def shares_gpu(world: int) -> bool:
+    """Whether `world` ranks share GPU 0 (fewer GPUs than ranks)."""
+    return torch.cuda.device_count() < world
 
 
 def setup_process(rank: int, world: int, model_path: str, cp_size: int, kv_cache_dtype: str = "bfloat16"):
     """Publish ServerArgs and build SGLang's process groups on NCCL, GPU `rank`. `kv_cache_dtype`
     fp8_e4m3: SGLang's fp8 pool (656-byte FlashMLA rows); prefill stays on flashmla_sparse (which
     dequantizes a prefix batch's KV to bf16), decode takes flashmla_kv, SGLang's fp8 decode on SM90."""
+    from helpers.distributed import nccl_device
+
     install()
-    backend, device = comm_setup(rank, world)
+    device = nccl_device(rank)
     torch.cuda.set_device(device)
     from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
@@ -153,13 +135,12 @@ def setup_process(rank: int, world: int, model_path: str, cp_size: int, kv_cache
     reset_context()
     publish(sa, role="test", ranks=SpawnRanks(world_rank=rank))
     parallel_state.set_custom_all_reduce(False)  # audit row 26: a JIT / sgl_kernel all-reduce
-    if backend == "gloo":  # SGLang would still open its own NCCL communicator per group (pynccl)
-        make_group = parallel_state.init_model_parallel_group
-        parallel_state.init_model_parallel_group = lambda *a, **k: make_group(*a, **{**k, "use_pynccl": False})
-        use_gloo_history_gather()
-    # torch.distributed is already up (from run_ranks, on the same backend): SGLang builds its groups on it.
-    init_distributed_environment(world_size=world, rank=rank, local_rank=device, backend=backend)
-    initialize_model_parallel(backend=backend)
+    # SGLang's zero-SM symmetric gather scratch is an NCCL window (SGLang turns it off itself below
+    # NCCL 2.31.2; the machine has 2.28): off, so the pool gathers with its PyNccl all-gather.
+    os.environ["SGLANG_ENABLE_KV_SHARD_ZERO_SM_GATHER"] = "0"
+    # torch.distributed is already up (from run_ranks, on NCCL): SGLang builds its groups on it.
+    init_distributed_environment(world_size=world, rank=rank, local_rank=device, backend="nccl")
+    initialize_model_parallel(backend="nccl")
     _replace_kernels()
     return sa
 
@@ -193,14 +174,10 @@ def build_model(sa, seed: int = 0):
     """SGLang's model class from config.json with seeded random weights made on this GPU, loaded
     through SGLang's `load_weights`; then the per-module pins of the audit (rows 1-4, 24)."""
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.layers.activation import SiluAndMul
-    from sglang.srt.layers.layernorm import RMSNorm
-    from sglang.srt.layers.rotary_embedding.rope_variant import DeepseekScalingRotaryEmbedding
     from sglang.srt.model_loader.utils import set_default_torch_dtype
-    from sglang.srt.models.deepseek_v2 import DeepseekV2AttentionMLA, DeepseekV32ForCausalLM
+    from sglang.srt.models.deepseek_v2 import DeepseekV32ForCausalLM
     from sglang.srt.models.glm4_moe import GlmMoeDsaForCausalLM
 
-    from helpers.sglang_cpu_stand_ins import _rope_native_any_rank
     from helpers.sglang_model_harness import random_checkpoint
 
     mc = ModelConfig.from_server_args(sa)
@@ -209,6 +186,19 @@ def build_model(sa, seed: int = 0):
         arch = mc.hf_config.architectures[0]
         model = {c.__name__: c for c in (DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM)}[arch](mc.hf_config)
     model.load_weights(iter(random_checkpoint(cfg, seed, device="cuda").items()))
+    return mc, pin_native_modules(model)
+
+
+def pin_native_modules(model):
+    """Audit rows 1-4 and 24 on a built model: SGLang's own native paths where its compiled kernels
+    cannot load (the harness and the GPU servers' stand-in plugin both call this)."""
+    from sglang.srt.layers.activation import SiluAndMul
+    from sglang.srt.layers.layernorm import RMSNorm
+    from sglang.srt.layers.rotary_embedding.rope_variant import DeepseekScalingRotaryEmbedding
+    from sglang.srt.models.deepseek_v2 import DeepseekV2AttentionMLA
+
+    from helpers.sglang_cpu_stand_ins import _rope_native_any_rank
+
     for m in model.modules():
         if isinstance(m, (RMSNorm, SiluAndMul)):
             m._forward_method = m.forward_native  # sgl_kernel / JIT kernels
@@ -219,7 +209,7 @@ def build_model(sa, seed: int = 0):
     gatherer = getattr(model.logits_processor, "_logits_gatherer", None)
     if gatherer is not None:
         gatherer._state = None  # NVLink multicast all-gather -> NCCL (multicast stays off here)
-    return mc, model
+    return model
 
 
 # ---- the pools -------------------------------------------------------------------------------------
@@ -393,5 +383,5 @@ def run_check(rank, world, group, model_path, mode, kv_cache_dtype="bfloat16"):
     ]
     logits.append(engine.run(engine.forward_batch(CHECK_DECODE, toks, decode=True)))
     info["stand_ins"] = gpu_stand_ins.report()
-    info["comm_backend"] = comm_setup(rank, world)[0]
+    info["shares_gpu"] = shares_gpu(world)
     return dict(logits=logits, **info)

@@ -78,11 +78,11 @@ PLUGIN_ENTRY_POINT = "[sglang.srt.plugins]\ncpu_stand_ins = helpers.sglang_cpu_s
 
 def write_tokenizer(path: str, vocab_size: int) -> None:
     """A character-level tokenizer for the tiny vocabulary: <s> = 0, </s> = 1 (the checkpoint's
-    bos / eos), then one printable character per id (ASCII 32-126, then Latin-1 letters)."""
+    bos / eos), then one printable character per id (ASCII 32-126, then Latin letters from U+00C0)."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    chars = [chr(c) for c in range(32, 127)] + [chr(c) for c in range(0xC0, 0x100)]
+    chars = [chr(c) for c in range(32, 127)] + [chr(c) for c in range(0xC0, 0x250)]
     vocab = {"<s>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(chars[: vocab_size - 2])}}
     assert len(vocab) == vocab_size, (len(vocab), vocab_size)
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one id per character
@@ -105,13 +105,13 @@ def write_model(path: str) -> str:
     return path
 
 
-def write_plugin_site(path: str) -> str:
-    """A folder that, on PYTHONPATH, makes SGLang's entry-point discovery load the test-only
-    plugin `cpu_stand_ins` (the module itself is found through the test folder)."""
+def write_plugin_site(path: str, entry_point: str = PLUGIN_ENTRY_POINT) -> str:
+    """A folder that, on PYTHONPATH, makes SGLang's entry-point discovery load a test-only plugin
+    (`cpu_stand_ins` by default; the module itself is found through the test folder)."""
     dist = Path(path) / PLUGIN_DIST
     dist.mkdir(parents=True, exist_ok=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang-nsa-cp-cpu-stand-ins\nVersion: 0.0.0\n")
-    (dist / "entry_points.txt").write_text(PLUGIN_ENTRY_POINT)
+    (dist / "entry_points.txt").write_text(entry_point)
     (dist / "RECORD").write_text("")
     return path
 
@@ -355,11 +355,13 @@ def server_env(plugin_site: str) -> dict:
     return env
 
 
-def router_command(port: int, prefill: Server, decode: Server) -> list[str]:
-    """SGLang's PD router (sglang-router, Rust) in front of one prefill and one decode."""
+def router_command(port: int, metrics_port: int, prefill: Server, decode: Server) -> list[str]:
+    """SGLang's PD router (sglang-router, Rust) in front of one prefill and one decode; its
+    Prometheus exporter on a port of its own (the default one would clash between routers)."""
     return [PYTHON, "-m", "sglang_router.launch_router", "--pd-disaggregation",
             "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url,
-            "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+            "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(metrics_port), "--policy", "round_robin",
             "--request-timeout-secs", "120", "--retry-max-retries", "1", "--log-level", "warn"]  # fmt: skip
 
 
@@ -388,25 +390,39 @@ class Cluster:
             leftovers = self.stop()
             assert not leftovers, f"after stopping the servers: {leftovers}"
 
+    # What a variant of this cluster (sglang_gpu_servers.GpuCluster) replaces: the model, the
+    # servers' environment, each role's arguments and the command line.
+    def write_model(self, path: str) -> str:
+        return write_model(path)
+
+    def server_env(self) -> dict:
+        return server_env(write_plugin_site(str(self.workdir / "plugin_site")))
+
+    def role(self, name: str) -> tuple[list[str], bool]:
+        return ROLES[name]
+
+    def server_command(self, port: int, role_args: list[str], bootstrap_port: int | None, nccl_port: int):
+        return server_command(self.model, port, role_args, bootstrap_port, nccl_port)
+
     def start(self, timeout_s: float = 240.0) -> "Cluster":
-        self.model = write_model(str(self.workdir / "model"))
-        env = server_env(write_plugin_site(str(self.workdir / "plugin_site")))
+        self.model = self.write_model(str(self.workdir / "model"))
+        env = self.server_env()
         # SGLang's zmq sockets and temporary files go here, not into /tmp (a killed server leaves them)
         env["TMPDIR"] = str(self.workdir / "tmp")
         (self.workdir / "tmp").mkdir(parents=True, exist_ok=True)
         for name in self.roles:
-            role_args, needs_bootstrap = ROLES[name]
+            role_args, needs_bootstrap = self.role(name)
             ports = free_ports(3 if needs_bootstrap else 2)  # HTTP, torch.distributed's store, bootstrap
             bootstrap = ports[2] if needs_bootstrap else None
-            server = Server(name, server_command(self.model, ports[0], role_args, bootstrap, ports[1]), env,
+            server = Server(name, self.server_command(ports[0], role_args, bootstrap, ports[1]), env,
                             self.workdir / "logs" / f"{name}.log", ports, bootstrap_port=bootstrap)  # fmt: skip
             self.servers[name] = server
             self.procs.append(server.start())
         self.wait_ready(list(self.servers.values()), timeout_s)
         if self.router:
-            (port,) = free_ports(1)
-            router = Proc("router", router_command(port, self.servers["shared"], self.servers["decode"]), env,
-                          self.workdir / "logs" / "router.log", [port])  # fmt: skip
+            port, metrics_port = free_ports(2)
+            router = Proc("router", router_command(port, metrics_port, self.servers["shared"], self.servers["decode"]),
+                          env, self.workdir / "logs" / "router.log", [port, metrics_port])  # fmt: skip
             self.procs.append(router.start())
             self.router_url = f"http://127.0.0.1:{port}"
             self.wait_router(router, timeout_s=60)

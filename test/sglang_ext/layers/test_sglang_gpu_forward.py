@@ -9,11 +9,10 @@ indexer's top-k, a second chunk, a batch with a radix hit on 32 cached pages, a 
 new requests (every extend starting on a page, as SGLang schedules them under KV sharding), then
 a decode step from a pool assembled from the page owners. CP=2 and CP=4, each with bf16 KV and
 with `--kv-cache-dtype fp8_e4m3` (656-byte FlashMLA rows; decode on flashmla_kv). Request pages
-come from SGLang's owner-rotating allocator in every run. Ranks get a GPU each over NCCL where
-there are enough GPUs, the pool gathering history with SGLang's PyNccl communicator; otherwise
-they share GPU 0 over gloo (`comm_setup`) and `GlooAllGather` stands in for that communicator
-(`use_gloo_history_gather`): the same kernels on the same data, so every check holds unchanged,
-only the collectives are slower. Shared KV must equal replicated CP bit for bit (same kernels,
+come from SGLang's owner-rotating allocator in every run. Ranks talk NCCL and the pool gathers
+history with SGLang's own PyNccl communicator: a GPU per rank where there are enough GPUs, else
+every rank on GPU 0 with its own NCCL_HOSTID (NCCL's socket transport on loopback:
+`helpers.distributed.nccl_device`), the same kernels on the same data, only slower collectives. Shared KV must equal replicated CP bit for bit (same kernels,
 same inputs); CP off may differ from CP by bf16 rounding (docs/sglang_gpu_forward.md says by
 how much).
 """
@@ -48,7 +47,7 @@ RUNS = {  # name: (ranks, mode, kv_cache_dtype)
     "shared": (2, "shared", "bfloat16"),
     "fp8-replicated": (2, "replicated", "fp8_e4m3"),
     "fp8-shared": (2, "shared", "fp8_e4m3"),
-    # CP=4: more ranks than a 1- or 2-GPU machine has, so they share GPU 0 over gloo (comm_setup)
+    # CP=4: more ranks than a 1- or 2-GPU machine has, so they share GPU 0 (nccl_device)
     "cp4-replicated": (4, "replicated", "bfloat16"),
     "cp4-shared": (4, "shared", "bfloat16"),
     "cp4-fp8-replicated": (4, "replicated", "fp8_e4m3"),
@@ -65,7 +64,7 @@ def runs():
 
     path = G.write_config(tempfile.mkdtemp(prefix="glm5_attn_"), G.GLM5_ATTN)
     return {
-        name: run_ranks(G.run_check, world, args=(path, mode, kv), backend=G.comm_setup(0, world)[0], timeout_s=900)
+        name: run_ranks(G.run_check, world, args=(path, mode, kv), backend="nccl", timeout_s=900)
         for name, (world, mode, kv) in RUNS.items()
     }
 
@@ -89,12 +88,10 @@ def test_shared_kv_equals_replicated_cp_bit_for_bit(runs, run, reference):
 @pytest.mark.parametrize("run", [p[0] for p in PAIRS])
 def test_history_is_gathered_one_layer_ahead_by_the_pools_communicator(runs, run):
     """Batches 1 and 2 have cached history: one latent and one index-K all-gather per layer each,
-    through SGLang's PyNccl communicator with a GPU per rank, through the gloo stand-in where the
-    ranks share a GPU."""
+    through SGLang's PyNccl communicator, also where the ranks share a GPU."""
     from helpers import sglang_gpu_harness as G
 
-    world = RUNS[run][0]
-    want_comm = "PyNcclCommunicator" if G.comm_setup(0, world)[0] == "nccl" else "GlooAllGather"
+    want_comm = "PyNcclCommunicator"
     layers = G.GLM5_ATTN["num_hidden_layers"]
     for rank, r in enumerate(runs[run]):
         assert r["history"] == [False, True, True], f"{run}, rank {rank}: {r['history']}"

@@ -1,0 +1,101 @@
+"""SGLang 0.5.23's real servers on one GPU: the GPU variant of `sglang_servers.Cluster`.
+
+The same roles as on CPU (a PD prefill at CP=N with --enable-nsa-prefill-cp-shared-kv, the same
+prefill without it, a decode, a non-CP oracle, SGLang's router), launched on the GPU machine from
+the bundle of docs/gpu_bundle.md: FlashMLA's real sparse kernels, Mooncake's CUDA transfer engine
+over TCP on loopback, SGLang's PyNccl all-gather between CP ranks that share GPU 0 (each its own
+NCCL host). Every process starts through `sglang_gpu_server_stand_ins`, which installs the
+stand-ins the bundle needs and logs each one used. docs/sglang_gpu_server.md says what runs for
+real and what is stood in for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from helpers import sglang_gpu_harness as G
+from helpers import sglang_servers as S
+from helpers.distributed import SHARED_GPU_NCCL_ENV
+
+# The CPU servers' model with a vocabulary that splits at TP 4 (SGLang pads each vocabulary
+# shard to 64), a context long enough for the long prompt, and a top-k of 128 (a multiple of
+# FlashMLA's 64-index block).
+CONTEXT_TOKENS = 131072
+MODEL = dict(
+    S.MODEL, vocab_size=256, index_topk=128, max_position_embeddings=CONTEXT_TOKENS,
+    rope_scaling=dict(S.MODEL["rope_scaling"], original_max_position_embeddings=CONTEXT_TOKENS),
+)  # fmt: skip
+
+CHUNK_TOKENS = 8192
+PREFILL_TOKENS_PER_RANK = 40960  # every CP prefill's pool per rank (the same KV bytes per rank): < 100k
+BIG_POOL_TOKENS = 140000  # the decode's and the oracle's: they hold a 100k-token prompt
+
+# SGLang's own switches on this machine: multicast off (KINDS.md), the memory-balance check off
+# (the ranks of several servers share one GPU, so their free memory differs by the others' use),
+# the symmetric-memory gather off (an NCCL window; SGLang turns it off itself below NCCL 2.31.2).
+GPU_ENV = {
+    **G.ENV, **SHARED_GPU_NCCL_ENV,
+    "TRITON_INTERPRET": "0", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1", "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "0",
+    "SGLANG_ENABLE_KV_SHARD_ZERO_SM_GATHER": "0",
+}  # fmt: skip
+CPU_ONLY_ENV = ("OMP_NUM_THREADS", "SGLANG_CPU_OMP_THREADS_BIND", *S.sglang_cpu_stand_ins.ENV)
+PLUGIN_ENTRY_POINT = "[sglang.srt.plugins]\ngpu_stand_ins = helpers.sglang_gpu_server_stand_ins:register\n"
+
+
+def dsa_args(kv_cache_dtype: str) -> list[str]:
+    """SGLang's DSA path on SM90 with the kernels the bundle can run: FlashMLA's sparse prefill
+    (the flag's backend), flashmla_kv to decode an fp8 cache (SGLang's SM90 default), the torch
+    top-k, cuBLAS GEMMs, eager (no CUDA graphs), NCCL instead of the custom all-reduce."""
+    decode = "flashmla_kv" if kv_cache_dtype == "fp8_e4m3" else "flashmla_sparse"
+    return ["--device", "cuda", "--attention-backend", "dsa", "--kv-cache-dtype", kv_cache_dtype,
+            "--dsa-prefill-backend", "flashmla_sparse", "--dsa-decode-backend", decode, "--dsa-topk-backend", "torch",
+            "--bf16-gemm-backend", "torch", "--disable-cuda-graph", "--disable-custom-all-reduce",
+            "--chunked-prefill-size", str(CHUNK_TOKENS)]  # fmt: skip
+
+
+def roles(cp: int) -> dict[str, tuple[list[str], bool]]:
+    """The CPU cluster's roles at CP=`cp`, with the GPU's pool sizes."""
+    cp_args = ["--tp", str(cp), "--enable-prefill-cp", "--cp-strategy", "interleave", "--attn-cp-size", str(cp),
+               "--moe-dense-tp-size", "1", *S.PD_ARGS, "--disaggregation-mode", "prefill",
+               "--max-total-tokens", str(PREFILL_TOKENS_PER_RANK)]  # fmt: skip
+    big = ["--max-total-tokens", str(BIG_POOL_TOKENS)]
+    return {
+        "shared": (cp_args + ["--enable-nsa-prefill-cp-shared-kv"], True),
+        "replicated": (cp_args, True),
+        "decode": (
+            S.PD_ARGS + ["--disaggregation-mode", "decode", *S.ONE_AT_A_TIME, *S.DECODE_EXTRA_SLOTS, *big],
+            False,
+        ),
+        "single": (S.ONE_AT_A_TIME + big, False),
+    }
+
+
+@dataclass
+class GpuCluster(S.Cluster):
+    """`sglang_servers.Cluster` on one GPU at CP=`cp` with `kv_cache_dtype` KV."""
+
+    cp: int = 2
+    kv_cache_dtype: str = "bfloat16"
+
+    def write_model(self, path: str) -> str:
+        S.H.write_checkpoint(path, MODEL)
+        S.write_tokenizer(path, MODEL["vocab_size"])
+        return path
+
+    def server_env(self) -> dict:
+        env = S.server_env(S.write_plugin_site(str(self.workdir / "plugin_site"), PLUGIN_ENTRY_POINT))
+        for key in CPU_ONLY_ENV:
+            env.pop(key, None)
+        return env | GPU_ENV
+
+    def role(self, name: str) -> tuple[list[str], bool]:
+        return roles(self.cp)[name]
+
+    def server_command(self, port: int, role_args: list[str], bootstrap_port: int | None, nccl_port: int):
+        cmd = [S.PYTHON, "-m", "helpers.sglang_gpu_server_stand_ins", "--model-path", self.model,
+               "--host", "127.0.0.1", "--port", str(port), "--nccl-port", str(nccl_port),
+               *dsa_args(self.kv_cache_dtype), "--skip-server-warmup", *role_args]  # fmt: skip
+        if bootstrap_port is not None:
+            cmd += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+        return cmd
