@@ -38,17 +38,27 @@ def register() -> None:
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from sglang_nsa_cp.sglang_ext import ledger
     from sglang_nsa_cp.sglang_ext.ledger import LEDGER
 
     for point in LEDGER:
-        hook = point.load_hook()
+        try:
+            hook = point.load_hook()
+        except ImportError as err:
+            # Keep registering the rest, so that start-up validation runs and refuses the flag naming it.
+            ledger.record_not_registered(point, f"its hook does not import: {type(err).__name__}: {err}")
+            logger.error("sglang-nsa-cp: hook %s for %s does not import: %s", point.hook, point.target, err)
+            continue
         try:
             if point.kind == "RESOLUTION":
                 register_resolution_hook(point.step)(hook)
             else:
+                if point.kind == "REPLACE":
+                    ledger.capture_sglang_class(point)  # SGLang's class, before apply_hooks() replaces it
                 HookRegistry.register(point.target, hook, HookType[point.kind])
         except (ValueError, TypeError) as err:
             # SGLang refused it (e.g. a step no longer overridable). Keep registering the rest, so that
             # start-up validation runs and `check_patch_points()` refuses the flag naming this hook.
+            ledger.record_not_registered(point, f"SGLang refused it: {type(err).__name__}: {err}")
             logger.error("sglang-nsa-cp: could not register hook %s on %s: %s", point.hook, point.target, err)
     _registered = True
