@@ -11,7 +11,8 @@ SGLang's own `PageInterleaveDSATokenToKVPool` (fp8 KV, one layer, the chunk's pl
 - fused: `kernels.store_mla_fp8_owned_and_scratch`'s Triton kernel into the pool's scratch slot
   and shard, as the plugin's `set_mla_kv_buffer` calls it;
 - sglang: SGLang's `set_mla_kv_buffer` on that pool (`quantize_k_cache_separate` for the
-  scratch, again for the owned rows, and its stores);
+  scratch, again for the owned rows, and its Triton row stores: its JIT row store is not built
+  on the GPU machine, as in the GPU forward harness);
 - copy: a device-to-device copy of as many bytes as the fused store moves.
 Both writes give the same bytes (checked first, from poisoned scratch and shard). A time is the
 median of --iters CUDA-event runs after --warmup calls, L2 flushed before each; the whole table
@@ -85,6 +86,11 @@ def sglang_pool(tokens: int, n: int, device: torch.device):
     # (SGLang's row stores skip destination row 0, CUDA-graph padding).
     spec = PageShardSpec(0, n, PAGE, max_prefix_tokens=n * PAGE, chunk_tokens=pages * PAGE)
     group = SimpleNamespace(world_size=n, rank_in_group=0, cpu_group=None, device=device)
+    import sglang.kernels.ops.kvcache.set_mla_kv_buffer as set_mla
+
+    # SGLang's JIT row store is not built on the GPU machine (a failed build is retried every call):
+    # its Triton store runs, as in the GPU forward harness (docs/sglang_gpu_forward_audit.md, row 8).
+    set_mla.can_use_set_mla_kv_buffer = lambda *a: False
     page_interleave_pool.PyNcclCommunicator = _NoGather
     os.environ["SGLANG_ENABLE_KV_SHARD_ZERO_SM_GATHER"] = "0"  # an NCCL window; no NCCL here
     get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False)  # no server here
