@@ -25,8 +25,8 @@ What it changes, each for a measured reason (docs/sglang_plugin.md):
   padded entries (masked, as they touch a replicated pool's padding slot 0), and in such a batch
   nothing else writes it, so it holds whatever the last batch or the allocator left; NaN there
   reaches the logits on CPU, where FlashMLA's stand-in reads row 0 for masked entries
-  (test_page_interleave_pool.py poisons the scratch to show it; on a GPU with FlashMLA's real
-  kernel: test_sglang_gpu_forward.py).
+  (test_page_interleave_pool.py poisons the scratch to show it). Whether FlashMLA's real kernel
+  lets it through on a GPU is what test_row0_gpu.py asks (H200 suite).
 """
 
 from __future__ import annotations
