@@ -1,10 +1,14 @@
-"""CPU, ~10-20 s: the patch ledger (sglang_ext/ledger.py) against the installed SGLang 0.5.23.
+"""CPU, ~35 s: the patch ledger (sglang_ext/ledger.py) against the installed SGLang 0.5.23.
 
 Every target resolves with its recorded signature and is patched after SGLang's `load_plugins()`;
-a renamed target, a changed signature or an unpatched target makes the start-up validation of
-`--enable-nsa-prefill-cp-shared-kv` (SGLang's real resolution pipeline, on a config.json-only
-model directory, an SM90 GPU patched in) refuse, naming the hook; docs/sglang_plugin.md carries
-the generated table and its counts.
+a class REPLACE is checked on SGLang's own class, captured before the replacement. A renamed
+target, a changed signature (of a target, or of an SGLang method a subclass overrides), a private
+SGLang name an override relies on renamed or changed in kind, a hook that does not import, or an
+unpatched target makes the start-up validation of `--enable-nsa-prefill-cp-shared-kv` (SGLang's
+real resolution pipeline, on a config.json-only model directory, an SM90 GPU patched in) refuse,
+naming the hook; so does SGLang refusing the resolution hooks that validate it, and each
+scheduler checks again before it sizes its pool. docs/sglang_plugin.md carries the generated table
+and its counts.
 """
 
 from __future__ import annotations
@@ -13,10 +17,14 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import importlib.util  # noqa: E402
+import inspect  # noqa: E402
 import pkgutil  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
+from collections import defaultdict  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -24,6 +32,7 @@ from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from helpers.resolution import V32, write_config  # noqa: E402
 
+from sglang_nsa_cp.sglang_ext import ledger  # noqa: E402
 from sglang_nsa_cp.sglang_ext.ledger import (  # noqa: E402
     LEDGER,
     check_patch_points,
@@ -32,11 +41,13 @@ from sglang_nsa_cp.sglang_ext.ledger import (  # noqa: E402
     markdown_table,
 )
 
-register_cpu_ci(est_time=20, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=35, suite="nsa-cp-test-cpu")
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAG = "--enable-nsa-prefill-cp-shared-kv"
 SPEC_HOOK = "mem_cache.page_interleave:make_page_shard_spec"
+POOL = "sglang.srt.mem_cache.page_interleave_pool.PageInterleaveDSATokenToKVPool"
+POOL_HOOK = "mem_cache.page_interleave_pool:PageInterleaveDSATokenToKVPool"
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +70,9 @@ def _point(hook):
     return next(p for p in LEDGER if p.hook == hook)
 
 
-def test_every_target_resolves_with_its_recorded_signature():
+def test_every_target_resolves_with_its_recorded_signature(plugin):
     for point in LEDGER:
-        target = pkgutil.resolve_name(point.target)
+        target = ledger.resolve_sglang(point.target)
         assert fingerprint(target) == point.signature, (
             f"{point.target}: SGLang changed its signature; check {point.hook}, then re-record it "
             "(python -m sglang_nsa_cp.sglang_ext.ledger --fingerprints)"
@@ -125,13 +136,56 @@ def _drop_resolution_step(monkeypatch):
     monkeypatch.setitem(resolution_hooks._HOOKS, "handle_kv_cache_sharding", [])
 
 
+def _sglang_pool_class():
+    from sglang_nsa_cp.sglang_ext.ledger import resolve_sglang
+
+    return resolve_sglang(POOL)
+
+
+def _resign_sglang_begin_shard_extend(monkeypatch):
+    """SGLang's own pool gains a parameter on a method the plugin's subclass overrides (the
+    subclass's override, which now has SGLang's pool's name, stays as it was)."""
+
+    def begin_shard_extend(self, req_to_token, req_pool_indices, prefix_lens_cpu, seq_lens_cpu, draft=False):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(_sglang_pool_class(), "begin_shard_extend", begin_shard_extend)
+
+
+def _rename_block_pages(monkeypatch):
+    """SGLang's pool module as if SGLang renamed `_block_pages` (a copy of its source, imported)."""
+    source = Path(inspect.getsourcefile(_sglang_pool_class()))
+    renamed = Path(tempfile.mkdtemp()) / "page_interleave_pool.py"
+    renamed.write_text(source.read_text().replace("_block_pages", "_prefix_block_pages"))
+    spec = importlib.util.spec_from_file_location("sglang.srt.mem_cache.page_interleave_pool_renamed", renamed)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(ledger._SGLANG_CLASSES, POOL, module.PageInterleaveDSATokenToKVPool)
+
+
+def _make_slots_a_method(monkeypatch):
+    """SGLang's pool turns `_slots`, which the subclass indexes, into a method."""
+    monkeypatch.setattr(_sglang_pool_class(), "_slots", lambda self: [], raising=False)
+
+
+def _break_hook_import(monkeypatch):
+    """A hook module that does not import (as when a name it imports from SGLang went away)."""
+    monkeypatch.setitem(sys.modules, "sglang_nsa_cp.sglang_ext.layers.cp.utils", None)
+
+
 # (fault, the hook the refusal must name, what it must say)
 FAULTS = [
     (_rename_target, SPEC_HOOK, "its target no longer resolves"),
     (_change_signature, SPEC_HOOK, "its target's signature changed"),
     (_unwrap_target, SPEC_HOOK, "it is not installed"),
     (_drop_resolution_step, "arg_groups.parallel_hook:validate_then", "it is not installed"),
-]
+    (_resign_sglang_begin_shard_extend, POOL_HOOK, f"the overridden `{POOL}.begin_shard_extend`'s signature changed"),
+    (_rename_block_pages, POOL_HOOK, f"relies on SGLang's private `{POOL}._block_pages` (attribute), which is no "
+                                     "longer set by SGLang's class"),
+    (_make_slots_a_method, POOL_HOOK, f"`{POOL}._slots` (attribute), which is now a method"),
+    (_break_hook_import, "layers.cp.utils:cp_gather_after_forward", "its hook does not import"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("fault,hook,message", FAULTS, ids=[f[0].__name__.strip("_") for f in FAULTS])
@@ -146,6 +200,91 @@ def test_a_broken_patch_point_refuses_the_flag_naming_the_hook(plugin, model, sm
         _resolve(model)
     assert f"  - hook {hook} (" in str(err.value) and message in str(err.value), str(err.value)
     assert not getattr(_resolve(model, flag=False), ATTR, False)  # without the flag nothing refuses
+
+
+def test_a_class_replace_is_checked_on_sglangs_own_class(plugin):
+    """After the replacement SGLang's name is the plugin's subclass; the ledger reads SGLang's class,
+    captured before it, for the target, the overridden methods and the private names."""
+    from sglang_nsa_cp.sglang_ext.mem_cache.page_interleave_pool import PageInterleaveDSATokenToKVPool as Plugin
+
+    sglang_pool = ledger.resolve_sglang(POOL)
+    assert pkgutil.resolve_name(POOL) is Plugin and Plugin.__bases__ == (sglang_pool,)
+    assert sglang_pool.__module__ == "sglang.srt.mem_cache.page_interleave_pool"
+    assert ledger.resolve_sglang(f"{POOL}.begin_shard_extend") is sglang_pool.begin_shard_extend
+    assert {"_block_pages", "_slots", "_shard_extend_active"} <= ledger.attributes_set_on_self(sglang_pool)
+
+
+def test_the_ledger_lists_every_private_sglang_name_the_pool_overrides_use(plugin):
+    """Every `self._name` the subclass reads that SGLang's class defines is in `relies_on`, with its kind."""
+    import ast
+
+    from sglang_nsa_cp.sglang_ext.mem_cache import page_interleave_pool
+
+    cls = page_interleave_pool.PageInterleaveDSATokenToKVPool
+    tree = ast.parse(inspect.getsource(cls))
+    used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr.startswith("_")
+            and not node.attr.startswith("__") and node.attr not in vars(cls)}  # fmt: skip
+    kinds = {name: "method" if inspect.isfunction(getattr(ledger.resolve_sglang(POOL), name, None)) else "attribute"
+             for name in used}  # fmt: skip
+    point = next(p for p in LEDGER if p.target == POOL)
+    assert dict((n.rsplit(".", 1)[1], k) for n, k in point.relies_on) == kinds
+
+
+def test_sglang_refusing_the_resolution_hooks_refuses_the_flag(plugin, model, sm90, monkeypatch):
+    """SGLang refuses every resolution hook: nothing would validate the flag, so parsing it refuses."""
+    from sglang.srt.arg_groups import resolution_hooks
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_nsa_cp.sglang_ext.arg_groups.parallel_hook import SharedKVConfigError
+    from sglang_nsa_cp.sglang_ext.server_args import ATTR
+
+    ours = {p.load_hook() for p in LEDGER if p.kind == "RESOLUTION"}
+    monkeypatch.setattr(resolution_hooks, "_HOOKS", {k: [h for h in v if h not in ours]
+                                                     for k, v in resolution_hooks._HOOKS.items()})  # fmt: skip
+
+    def refuse(step):
+        raise ValueError(f"{step} is not an overridable resolution step")
+
+    monkeypatch.setattr(resolution_hooks, "register_resolution_hook", refuse)
+    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list, {k: list(v) for k, v in HookRegistry._hooks.items()}))
+    monkeypatch.setattr(ledger, "_NOT_REGISTERED", {})
+    monkeypatch.setattr(plugin, "_registered", False)
+    plugin.register()  # as SGLang's load_plugins() calls it in a fresh process
+    with pytest.raises(SharedKVConfigError) as err:
+        _resolve(model)
+    assert "its start-up validation cannot run" in str(err.value), str(err.value)
+    for step in ("handle_context_parallelism", "handle_kv_cache_sharding"):
+        assert f"hook arg_groups.parallel_hook:validate_then on `{step}`: it was not registered (SGLang refused " \
+            f"it: ValueError: {step} is not an overridable" in str(err.value), str(err.value)  # fmt: skip
+    assert not getattr(_resolve(model, flag=False), ATTR, False)
+
+
+def test_each_scheduler_checks_the_patch_points_before_it_sizes_its_pool(plugin, monkeypatch):
+    """A scheduler with the flag requested refuses to configure its KV cache when a patch point is
+    not in place in its own process, or when the launcher's validation never ran."""
+    from types import SimpleNamespace
+
+    from sglang.srt import runtime_context
+
+    from sglang_nsa_cp.sglang_ext.mem_cache.page_interleave import make_page_shard_spec
+    from sglang_nsa_cp.sglang_ext.server_args import ATTR, REQUEST_ATTR
+
+    server_args = SimpleNamespace(**{REQUEST_ATTR: True, ATTR: True})
+    monkeypatch.setattr(runtime_context, "get_server_args", lambda: server_args)
+    monkeypatch.setattr(ledger, "_checked_ok", False)
+    kvc = SimpleNamespace(is_draft_worker=False)
+    assert make_page_shard_spec(lambda kvc: None, kvc) is None  # all in place: SGLang's answer (sharding off)
+    monkeypatch.setattr(ledger, "_checked_ok", False)
+    with monkeypatch.context() as broken:
+        _resign_sglang_begin_shard_extend(broken)
+        with pytest.raises(RuntimeError, match=f"  - hook {POOL_HOOK} .*begin_shard_extend`'s signature changed"):
+            make_page_shard_spec(lambda kvc: None, kvc)
+    setattr(server_args, ATTR, False)  # requested, but no resolution step wrote the decision
+    with pytest.raises(RuntimeError, match="was requested but its start-up validation never ran"):
+        make_page_shard_spec(lambda kvc: None, kvc)
+    setattr(server_args, REQUEST_ATTR, False)
+    assert make_page_shard_spec(lambda kvc: None, kvc) is None  # not requested: no check
 
 
 def test_docs_carry_the_generated_table_and_the_counts():

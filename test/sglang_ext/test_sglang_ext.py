@@ -107,6 +107,58 @@ def test_register_installs_every_hook(plugin):
     assert resolution_hooks._HOOKS["handle_context_parallelism"].count(validate_then) == 1
 
 
+def test_without_the_flag_only_the_decode_side_hooks_act(plugin, monkeypatch):
+    """What sglang_ext/__init__.py says runs without the flag: the prefill-side runtime hooks hand
+    SGLang's own result back (the pool subclass: test_pool_writes.py); the decode-side hooks act on
+    any decode, which runs without the flag: the Mooncake classes, and owner-grouped pages for a
+    request whose prefill is owner-sharded."""
+    from types import SimpleNamespace
+
+    import torch
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend
+
+    from sglang_nsa_cp.sglang_ext.arg_groups.kv_shard_hook import validate_kv_shard_attention_backend
+    from sglang_nsa_cp.sglang_ext.disaggregation.common.conn import limit_status_frames
+    from sglang_nsa_cp.sglang_ext.disaggregation.decode import allocate_grouped_by_owner
+    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake import conn
+    from sglang_nsa_cp.sglang_ext.disaggregation.utils import get_kv_class
+    from sglang_nsa_cp.sglang_ext.layers.cp.utils import cp_gather_after_forward
+    from sglang_nsa_cp.sglang_ext.mem_cache.page_interleave import make_page_shard_spec
+    from sglang_nsa_cp.sglang_ext.server_args import is_enabled
+
+    monkeypatch.delenv("SGLANG_NSA_CP_SHARED_KV", raising=False)
+    assert not is_enabled()
+    sglangs = object()  # what SGLang's original returns
+
+    def original(*args, **kwargs):
+        return sglangs
+
+    # prefill side: SGLang's result
+    assert validate_kv_shard_attention_backend(original, SimpleNamespace()) is sglangs
+    assert make_page_shard_spec(original, SimpleNamespace(is_draft_worker=False)) is sglangs
+    assert cp_gather_after_forward(original, torch.zeros(3, 4), SimpleNamespace()) is sglangs
+    assert limit_status_frames(original, SimpleNamespace(), 0) is sglangs
+    assert get_kv_class(original, TransferBackend.NIXL, KVClassType.MANAGER) is sglangs
+    # decode side: active
+    assert get_kv_class(original, TransferBackend.MOONCAKE, KVClassType.MANAGER) is conn.OwnedPageKVManager
+    assert get_kv_class(original, TransferBackend.MOONCAKE, KVClassType.RECEIVER) is conn.OwnedPageKVReceiver
+    slots = torch.arange(64, 64 + 4 * 64)  # four pages in request order
+
+    def decode_queue(sharded: bool):
+        info = SimpleNamespace(enable_kv_cache_sharding=sharded, attn_cp_size=2)
+        req = object()
+        queue = SimpleNamespace(queue=[SimpleNamespace(req=req, kv_receiver=SimpleNamespace(prefill_info=info))])
+        return queue, req
+
+    allocator = SimpleNamespace(page_size=64)
+    queue, req = decode_queue(sharded=False)
+    got = allocate_grouped_by_owner(lambda self, allocator, **kw: slots, queue, allocator, req=req)
+    assert torch.equal(got, slots), "a prefill that is not owner-sharded keeps request order"
+    queue, req = decode_queue(sharded=True)
+    got = allocate_grouped_by_owner(lambda self, allocator, **kw: slots, queue, allocator, req=req)
+    assert not torch.equal(got, slots) and torch.equal(got.sort().values, slots), "re-dealt by owner"
+
+
 def test_launch_server_help_lists_the_flag():
     out = subprocess.run(
         [sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True, text=True, timeout=120,

@@ -36,7 +36,7 @@ from sglang_nsa_cp.kernels.formats import (
 )
 from sglang_nsa_cp.kernels.triton_common import jit, owned_rows, require_triton, tl, triton, wide
 
-FP8_ROWS_PER_PROGRAM = 8  # launch shape (bench_kernels.py --sweep sets it)
+FP8_ROWS_PER_PROGRAM = 8  # launch shape
 FP8_NUM_WARPS = 4
 
 

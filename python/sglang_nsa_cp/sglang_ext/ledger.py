@@ -4,8 +4,12 @@
 hooks (BEFORE / AFTER / AROUND / REPLACE), which SGLang's `load_plugins()` then applies, and
 RESOLUTION steps (`register_resolution_hook`). SGLang's `HookRegistry.apply_hooks()` only logs a
 target it cannot patch and carries on, so `check_patch_points()` fails closed: with the flag,
-start-up refuses, naming the hook, when a target (or a method a hook's subclass overrides) no
-longer resolves or changed signature, or a hook is not installed.
+start-up refuses, naming the hook, when a hook does not import or SGLang refused it, a target (or
+an SGLang method a hook's subclass overrides) no longer resolves or changed signature, a private
+SGLang name an override relies on is gone or changed kind, or a hook is not installed. For a
+class REPLACE every check reads SGLang's own class, captured by `register()` before the hook
+registry replaces it. The launcher checks during argument resolution, each scheduler again before
+it sizes its KV pool (`require_patch_points()`, from the `make_page_shard_spec` hook).
 
     python -m sglang_nsa_cp.sglang_ext.ledger                 # the table docs/sglang_plugin.md carries
     python -m sglang_nsa_cp.sglang_ext.ledger --fingerprints  # current fingerprints, to re-record
@@ -16,15 +20,19 @@ table and counts in docs/sglang_plugin.md. Importing this module imports neither
 
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
 import inspect
 import pkgutil
 import sys
+import textwrap
 from dataclasses import dataclass
 from importlib import import_module
 
 PACKAGE = "sglang_nsa_cp.sglang_ext"
 KINDS = ("BEFORE", "AFTER", "AROUND", "REPLACE", "RESOLUTION")
+NAME_KINDS = ("method", "attribute")  # what a private SGLang name an override relies on must be
 RECORDED_FOR = "0.5.23"  # the SGLang version the fingerprints below were recorded on
 
 
@@ -37,7 +45,8 @@ class PatchPoint:
     signature: `fingerprint()` of the target in SGLang `RECORDED_FOR`. why: one line.
     upstream: the upstream SGLang change that would remove the patch. overrides: the SGLang methods
     that the subclass the hook installs (a class REPLACE, or the classes a hook answers) overrides,
-    each with its fingerprint, checked like the target's.
+    each with its fingerprint, checked like the target's. relies_on: the private SGLang names those
+    overrides read, each with its kind ("method", or "attribute": set on `self` by SGLang's class).
     """
 
     target: str
@@ -47,10 +56,13 @@ class PatchPoint:
     why: str
     upstream: str
     overrides: tuple[tuple[str, str], ...] = ()  # (SGLang method, fingerprint) a hook's subclass overrides
+    relies_on: tuple[tuple[str, str], ...] = ()  # (SGLang private name, its kind) the overrides use
 
     def __post_init__(self):
         assert self.kind in KINDS, f"{self.target}: kind {self.kind!r} not in {KINDS}"
         assert self.hook.count(":") == 1, f"{self.target}: hook {self.hook!r} is not 'module:function'"
+        for name, kind in self.relies_on:
+            assert kind in NAME_KINDS, f"{self.target}: {name} has kind {kind!r}, not one of {NAME_KINDS}"
 
     @property
     def private(self) -> bool:
@@ -74,6 +86,7 @@ _NO_FIELD_API = "a plugin API to declare ServerArgs fields and their CLI flags"
 _PERMANENT = "none (start-up validation is the plugin's own)"
 _NARROW = "SGLang gathers only last-token rows for CP batches that need no more"
 _SHARDED_PD = "SGLang keys its sharded PD transfer on the pool, not its own flag, and checks coverage on the decode"
+_POOL = f"{_S}mem_cache.page_interleave_pool.PageInterleaveDSATokenToKVPool"
 
 # Fixed order: the flag before the validation that reads it, pools before the forward hooks.
 LEDGER: tuple[PatchPoint, ...] = (
@@ -104,14 +117,12 @@ LEDGER: tuple[PatchPoint, ...] = (
                "mem_cache.page_interleave:make_page_shard_spec", "257ab401a067",
                "the sharded scratch holds SGLANG_NSA_CP_SCRATCH_CONTEXTS contexts (default 1), not SGLang's fixed 8",
                "a server setting for `_KV_SHARD_SCRATCH_PREFIX_CONTEXTS`"),
-    PatchPoint(f"{_S}mem_cache.page_interleave_pool.PageInterleaveDSATokenToKVPool", "REPLACE",
-               "mem_cache.page_interleave_pool:PageInterleaveDSATokenToKVPool", "915bce3e5a47",
+    PatchPoint(_POOL, "REPLACE", "mem_cache.page_interleave_pool:PageInterleaveDSATokenToKVPool", "915bce3e5a47",
                "SGLang's sharded DSA pool with the fp8 chunk quantized once and scratch row 0 zeroed without history",
                "the same two changes in `PageInterleaveDSATokenToKVPool` (docs/upstream.md)",
-               overrides=(
-                   (f"{_S}mem_cache.page_interleave_pool.PageInterleaveDSATokenToKVPool.begin_shard_extend", "150f622c8438"),
-                   (f"{_S}mem_cache.page_interleave_pool.PageInterleaveDSATokenToKVPool.set_mla_kv_buffer", "50d382e4c2f9"),
-               )),
+               overrides=((f"{_POOL}.begin_shard_extend", "150f622c8438"), (f"{_POOL}.set_mla_kv_buffer", "50d382e4c2f9")),
+               relies_on=((f"{_POOL}._block_pages", "attribute"), (f"{_POOL}._slots", "attribute"),
+                          (f"{_POOL}._shard_extend_active", "attribute"), (f"{_POOL}._translate_loc_cached", "method"))),
     # layers/cp/utils.py
     PatchPoint(f"{_S}layers.cp.utils.cp_gather_after_forward", "AROUND", "layers.cp.utils:cp_gather_after_forward",
                "37aa32f39122", "the narrow tail gather: N x bs last-token rows instead of every token's hidden state, "
@@ -145,6 +156,42 @@ LEDGER: tuple[PatchPoint, ...] = (
                "decode: re-deals a request's pages so each prefill rank's owned positions form one run",
                "SGLang's decode allocator learns the prefill's page ownership"),
 )  # fmt: skip
+
+
+# SGLang's own class of each class REPLACE target, captured by `capture_sglang_class()` (from
+# `register()`) before the hook registry replaces the name everywhere it is bound.
+_SGLANG_CLASSES: dict[str, type] = {}
+# Patch points `register()` could not register in this process: target -> why (an import error, SGLang's refusal).
+_NOT_REGISTERED: dict[str, str] = {}
+_checked_ok = False  # `require_patch_points()` found everything in place in this process
+
+
+def capture_sglang_class(point: PatchPoint) -> None:
+    """Remember SGLang's class that a class REPLACE `point` replaces (call before `apply_hooks()`)."""
+    try:
+        current = pkgutil.resolve_name(point.target)
+    except (ImportError, AttributeError, ValueError):
+        return  # the check reports the target as unresolved
+    if point.target not in _SGLANG_CLASSES and current is not point.load_hook():
+        _SGLANG_CLASSES[point.target] = current
+
+
+def record_not_registered(point: PatchPoint, why: str) -> None:
+    _NOT_REGISTERED[point.target] = why
+
+
+def resolve_sglang(name: str):
+    """SGLang's object at dotted `name`; under a class REPLACE target, SGLang's own class (captured
+    before the replacement), not the plugin's subclass that now has its name."""
+    for target, cls in _SGLANG_CLASSES.items():
+        if name == target:
+            return cls
+        if name.startswith(target + "."):
+            obj = cls
+            for attr in name[len(target) + 1 :].split("."):
+                obj = getattr(obj, attr)
+            return obj
+    return pkgutil.resolve_name(name)
 
 
 def fingerprint(target) -> str:
@@ -193,9 +240,9 @@ def is_installed(point: PatchPoint) -> bool:
 
 
 def current_fingerprint(target: str) -> str:
-    """The target's fingerprint now, or why it has none."""
+    """The target's fingerprint now (SGLang's own, for a class REPLACE), or why it has none."""
     try:
-        return fingerprint(pkgutil.resolve_name(target))
+        return fingerprint(resolve_sglang(target))
     except (ImportError, AttributeError, ValueError) as err:
         return f"unresolved ({type(err).__name__}: {err})"
     except TypeError as err:  # no longer a function
@@ -218,10 +265,78 @@ def _signature_problem(what: str, target: str, recorded: str) -> str | None:
     return None
 
 
+@functools.cache
+def attributes_set_on_self(cls: type) -> frozenset[str]:
+    """Names SGLang's code assigns on `self` (`self.x = ...`) in `cls` or its SGLang bases: the
+    instance attributes a class sets, read from its source, so no instance is needed."""
+    names = set()
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("sglang."):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+            ):
+                names.add(node.attr)
+    return frozenset(names)
+
+
+def _private_name_problem(name: str, kind: str) -> str | None:
+    """What is wrong with the private SGLang `name` an override relies on as a `kind`, if anything."""
+    owner, attr = name.rsplit(".", 1)
+    try:
+        cls = resolve_sglang(owner)
+    except (ImportError, AttributeError, ValueError) as err:
+        return f"its class no longer resolves ({type(err).__name__}: {err})"
+    static = inspect.getattr_static(cls, attr, None)
+    is_method = inspect.isfunction(static)
+    if kind == "method":
+        if is_method:
+            return None
+        return (
+            "is no longer a method"
+            if static is not None or attr in attributes_set_on_self(cls)
+            else ("is no longer defined")
+        )
+    if is_method:
+        return "is now a method, not an attribute"
+    if static is not None or attr in attributes_set_on_self(cls):
+        return None
+    return "is no longer set by SGLang's class (renamed or removed)"
+
+
+def _relies_on_problem(point: PatchPoint) -> str | None:
+    for name, kind in point.relies_on:
+        problem = _private_name_problem(name, kind)
+        if problem:
+            return (
+                f"it relies on SGLang's private `{name}` ({kind}), which {problem}; port the override to "
+                f"the installed SGLang and update `relies_on` in sglang_ext/ledger.py, or install "
+                f"sglang=={RECORDED_FOR}"
+            )
+    return None
+
+
 def _problem(point: PatchPoint) -> str | None:
+    if point.target in _NOT_REGISTERED:
+        return f"it was not registered ({_NOT_REGISTERED[point.target]}); fix that cause"
+    try:
+        point.load_hook()
+    except ImportError as err:
+        return f"its hook does not import ({type(err).__name__}: {err}); fix that import"
     problem = _signature_problem("its target", point.target, point.signature)
+    if not problem and point.kind == "REPLACE" and point.target not in _SGLANG_CLASSES:
+        problem = (
+            "SGLang's own class was not captured before the replacement (`register()` did not run in this "
+            "process before `HookRegistry.apply_hooks()`); load the plugin through SGLang's `load_plugins()`"
+        )
     for method, recorded in point.overrides:
         problem = problem or _signature_problem(f"the overridden `{method}`", method, recorded)
+    problem = problem or _relies_on_problem(point)
     if problem:
         return problem
     if not is_installed(point):
@@ -237,13 +352,39 @@ def check_patch_points() -> list[str]:
     """One problem per patch point that is not in place, naming the hook, its target and the fix.
 
     Run it after SGLang's `load_plugins()` (registration, then `HookRegistry.apply_hooks()`); the
-    start-up checks do, during argument resolution, which every SGLang entry point runs after it."""
+    start-up checks do, during argument resolution, which every SGLang entry point runs after it,
+    and each scheduler does through `require_patch_points()`."""
     problems = []
     for point in LEDGER:
         problem = _problem(point)
         if problem:
             problems.append(f"hook {point.hook} ({point.kind} `{point.target}`): {problem}")
     return problems
+
+
+def unvalidated_problem() -> str | None:
+    """Why the flag's start-up validation cannot run, when none of the resolution steps that run it
+    is in place (the flag would otherwise be ignored), else None."""
+    validating = [p for p in LEDGER if p.kind == "RESOLUTION" and p.hook.endswith(":validate_then")]
+    problems = {p.step: _problem(p) for p in validating}
+    if all(problems.values()):
+        return "its start-up validation cannot run: " + "; ".join(
+            f"hook {p.hook} on `{p.step}`: {problems[p.step]}" for p in validating
+        )
+    return None
+
+
+def require_patch_points(flag: str) -> None:
+    """Raise `RuntimeError` naming every patch point that is not in place in this process (once
+    all are, later calls cost nothing). A scheduler runs it before it builds a pool for `flag`."""
+    global _checked_ok
+    if _checked_ok:
+        return
+    problems = check_patch_points()
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise RuntimeError(f"{flag}: {len(problems)} patch point(s) not in place in this process:\n{lines}")
+    _checked_ok = True
 
 
 def markdown_table() -> str:
@@ -256,6 +397,9 @@ def markdown_table() -> str:
         if p.overrides:
             methods = ", ".join(f"`{m.rsplit('.', 2)[-2]}.{m.rsplit('.', 1)[-1]}`" for m, _ in p.overrides)
             lines.append(f"- through `{p.target}`: {methods}")
+            if p.relies_on:
+                names = ", ".join(f"`{n.rsplit('.', 1)[1]}` ({kind})" for n, kind in p.relies_on)
+                lines.append(f"  - SGLang private names these overrides use, checked for kind: {names}")
     return "\n".join(lines)
 
 

@@ -45,10 +45,26 @@ def add_cli_args(result, parser: argparse.ArgumentParser) -> None:
     parser.add_argument(FLAG, dest=_DEST, action="store_true", default=False, help=HELP)
 
 
+class SharedKVConfigError(ValueError):
+    """Server arguments that shared-KV prefill CP cannot run with."""
+
+    @classmethod
+    def listing(cls, problems: list[str]) -> "SharedKVConfigError":
+        lines = "\n".join(f"  - {p}" for p in problems)
+        return cls(f"{FLAG}: {len(problems)} problem(s) with the server arguments:\n{lines}")
+
+
 def from_cli_args(original, cls, args: argparse.Namespace):
-    """AROUND hook on `ServerArgs.from_cli_args`: carry the flag on the record."""
+    """AROUND hook on `ServerArgs.from_cli_args`: carry the flag on the record; refuse it at once
+    when no resolution step would validate it (SGLang refused those hooks: it would be ignored)."""
     server_args = original(cls, args)
     setattr(server_args, REQUEST_ATTR, bool(getattr(args, _DEST, False)))
+    if requested(server_args):
+        from sglang_nsa_cp.sglang_ext.ledger import unvalidated_problem
+
+        problem = unvalidated_problem()
+        if problem:
+            raise SharedKVConfigError.listing([problem])
     return server_args
 
 

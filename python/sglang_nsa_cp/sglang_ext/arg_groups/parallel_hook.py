@@ -32,7 +32,7 @@ from sglang.srt.model_executor.cuda_graph_config import Backend
 from sglang_nsa_cp.disagg.listeners import exposure
 from sglang_nsa_cp.envs import envs
 from sglang_nsa_cp.sglang_ext.ledger import check_patch_points
-from sglang_nsa_cp.sglang_ext.server_args import ATTR, FLAG, requested
+from sglang_nsa_cp.sglang_ext.server_args import ATTR, FLAG, SharedKVConfigError, requested
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +59,6 @@ SUPPORTED_CP_STRATEGIES = ("interleave",)
 SUPPORTED_DSA_PREFILL_BACKENDS = ("flashmla_sparse",)
 DSA_PAGE_SIZE = 64
 SUPPORTED_SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")  # NEXTN, SGLang's alias, is refused with its own fix
-
-
-class SharedKVConfigError(ValueError):
-    """Server arguments that shared-KV prefill CP cannot run with."""
 
 
 def check_sglang_version() -> str | None:
@@ -332,8 +328,7 @@ def validate(server_args: Any) -> None:
         return
     problems = find_problems(server_args)
     if problems:
-        lines = "\n".join(f"  - {p}" for p in problems)
-        raise SharedKVConfigError(f"{FLAG}: {len(problems)} problem(s) with the server arguments:\n{lines}")
+        raise SharedKVConfigError.listing(problems)
     if not getattr(server_args, ATTR, False):
         # Bookkeeping attributes stay writable during resolution and are pickled to schedulers.
         setattr(server_args, ATTR, True)

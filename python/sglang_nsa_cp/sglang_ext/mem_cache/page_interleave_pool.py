@@ -3,9 +3,10 @@
 
 Target: `page_interleave_pool.PageInterleaveDSATokenToKVPool` (REPLACE, class): SGLang builds this
 pool by that name for the target worker and an MTP draft (`KVCacheConfigurator._build_dsa_kv_pool`,
-`_build_mtp_kv_shard_pool`); the hook registry propagates the replacement to those imports. The
-subclass is a drop-in: without `--enable-nsa-prefill-cp-shared-kv` (SGLang's own
-`--enable-kv-cache-sharding` on Blackwell) it stores the same bytes at the same rows.
+`_build_mtp_kv_shard_pool`); the hook registry propagates the replacement to those imports.
+Without `--enable-nsa-prefill-cp-shared-kv` (SGLang's own `--enable-kv-cache-sharding`, on
+Blackwell) both overrides call SGLang's methods and nothing else (decided once per pool), so the
+pool stores SGLang's bytes at SGLang's rows (test_page_interleave_pool.py checks pool and scratch).
 
 N = 2, page 64, SGLang's placement (`page_interleave.PageInterleavePlacement`):
 
@@ -23,7 +24,9 @@ What it changes, each for a measured reason (docs/sglang_plugin.md):
 - a batch without cached history zeroes scratch row 0: SGLang's DSA readers touch row 0 for
   padded entries (masked, as they touch a replicated pool's padding slot 0), and in such a batch
   nothing else writes it, so it holds whatever the last batch or the allocator left; NaN there
-  reaches the logits (the CPU forward test poisons the scratch to show it).
+  reaches the logits on CPU, where FlashMLA's stand-in reads row 0 for masked entries
+  (test_page_interleave_pool.py poisons the scratch to show it). Whether FlashMLA's real kernel
+  lets it through on a GPU is what test_row0_gpu.py asks (H200 suite).
 """
 
 from __future__ import annotations
@@ -35,14 +38,23 @@ from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
 from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveDSATokenToKVPool as SGLangPool
 
 from sglang_nsa_cp import kernels
+from sglang_nsa_cp.sglang_ext.server_args import is_enabled
 
 
 class PageInterleaveDSATokenToKVPool(SGLangPool):
     """`PageInterleaveDSATokenToKVPool` with the overrides of the module docstring."""
 
+    _serves_flag: Optional[bool] = None  # decided on first use: the pool is built after resolution
+
+    def serves_flag(self) -> bool:
+        """Whether this pool runs the plugin's delta (the flag is on), else SGLang's methods only."""
+        if self._serves_flag is None:
+            self._serves_flag = is_enabled()
+        return self._serves_flag
+
     def begin_shard_extend(self, req_to_token, req_pool_indices, prefix_lens_cpu, seq_lens_cpu) -> None:
         super().begin_shard_extend(req_to_token, req_pool_indices, prefix_lens_cpu, seq_lens_cpu)
-        if self._block_pages == 0:  # no history gathered: row 0 is nobody's (see the module docstring)
+        if self.serves_flag() and self._block_pages == 0:  # no history gathered: row 0 is nobody's
             for slot in self._slots:
                 for tensor in slot.tensors.values():  # latent row 0; index page 0 (its row 0's key)
                     tensor[:1].zero_()
@@ -51,7 +63,7 @@ class PageInterleaveDSATokenToKVPool(SGLangPool):
         """Stage the whole chunk into the layer's scratch slot and persist the owned rows, from one
         quantization in one pass (fp8: `kernels.store_mla_fp8_owned_and_scratch`, SGLang's
         rounding); bf16 rows go through SGLang's path unchanged."""
-        if not self.dsa_kv_cache_store_fp8:
+        if not (self.dsa_kv_cache_store_fp8 and self.serves_flag()):
             return super().set_mla_kv_buffer(layer, loc_info, cache_k_nope, cache_k_rope, layer_id_override)
         loc, _, _ = unwrap_write_loc(loc_info)
         layer_id = layer_id_override if layer_id_override is not None else layer.layer_id

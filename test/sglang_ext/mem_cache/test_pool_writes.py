@@ -1,0 +1,94 @@
+"""CPU, ~90 s (two gloo ranks): the plugin's pool subclass against SGLang's own class on one fp8
+batch without cached history (sglang_ext/mem_cache/page_interleave_pool.py).
+
+Each CP rank of 2 builds SGLang's `PageInterleaveDSATokenToKVPool` three times (SGLang's class;
+the plugin's subclass without the flag; the plugin's subclass with it), poisons the gather
+scratch as the batch begins and writes the same chunk into every layer
+(`helpers/sglang_pool_writes.py`):
+- without the flag the subclass is SGLang's pool: the same pool and scratch bytes, and SGLang's
+  two quantizations per layer write (the chunk for the scratch, the owned rows again);
+- with the flag the pool bytes and the chunk's scratch rows are SGLang's, from one pass of the
+  fused store's Triton kernel (run by Triton's interpreter) and no call of SGLang's quantizer;
+  the scratch differs only in row 0 (latent) and page 0 (indexer keys), zeroed where SGLang
+  leaves what the scratch held before the batch.
+SGLang's quantizer is its own Triton kernel, interpreted too (the helper says why not the torch
+twin the forward tests use, under which the forward's fp8 runs take the fused store's torch
+reference).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
+
+from helpers import sglang_model_harness as H  # noqa: E402
+from helpers.distributed import run_ranks  # noqa: E402
+from helpers.sglang_pool_writes import run_fp8_pool_writes  # noqa: E402
+
+register_cpu_ci(est_time=90, suite="nsa-cp-test-cpu")
+
+SGLANG_POOL = "sglang.srt.mem_cache.page_interleave_pool.PageInterleaveDSATokenToKVPool"
+PLUGIN_POOL = "sglang_nsa_cp.sglang_ext.mem_cache.page_interleave_pool.PageInterleaveDSATokenToKVPool"
+LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    model = H.write_checkpoint(str(tmp_path_factory.mktemp("tiny_v32")))
+    return run_ranks(run_fp8_pool_writes, 2, args=(model,), timeout_s=400)
+
+
+def _assert_same(got, want, where):
+    assert got.shape == want.shape, f"{where}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    diff = (got != want).nonzero()
+    assert len(diff) == 0, f"{where}: {len(diff)} bytes differ, first at {diff[0].tolist()}"
+
+
+def test_each_variant_built_the_class_it_names(ranks):
+    for rank, r in enumerate(ranks):
+        assert r["sglang"]["pool_class"] == SGLANG_POOL, f"{rank=}"
+        assert r["plugin, flag off"]["pool_class"] == r["plugin, flag on"]["pool_class"] == PLUGIN_POOL, f"{rank=}"
+        assert any(buf.any() for buf in r["sglang"]["pool"]), f"{rank=}: the batch wrote nothing"
+        assert r["sglang"]["owned_tokens"] > 0, f"{rank=}: owns none of the batch's tokens"
+
+
+def test_without_the_flag_the_subclass_stores_sglangs_bytes(ranks):
+    for rank, r in enumerate(ranks):
+        off, sglang = r["plugin, flag off"], r["sglang"]
+        for layer, (got, want) in enumerate(zip(off["pool"], sglang["pool"], strict=True)):
+            _assert_same(got, want, f"{rank=}, {layer=}: pool")
+        for name, slots in sglang["scratch"].items():
+            for slot, want in enumerate(slots):
+                _assert_same(off["scratch"][name][slot], want, f"{rank=}, scratch {name} slot {slot}")
+        assert off["fused_stores"] == 0, f"{rank=}: the fused store ran without the flag"
+
+
+def test_sglangs_pool_quantizes_each_write_twice(ranks):
+    for rank, r in enumerate(ranks):
+        assert r["sglang"]["quantizations"] == 2 * LAYERS, f"{rank=}: {r['sglang']['quantizations']}"
+        assert r["plugin, flag off"]["quantizations"] == 2 * LAYERS, f"{rank=}"
+
+
+def test_with_the_flag_one_fused_pass_stores_sglangs_bytes_and_zeroes_row_0(ranks):
+    for rank, r in enumerate(ranks):
+        on, sglang = r["plugin, flag on"], r["sglang"]
+        assert (on["quantizations"], on["fused_stores"]) == (0, LAYERS), f"{rank=}: {on}"
+        for layer, (got, want) in enumerate(zip(on["pool"], sglang["pool"], strict=True)):
+            _assert_same(got, want, f"{rank=}, {layer=}: pool")
+        for name, slots in sglang["scratch"].items():
+            for slot, want in enumerate(slots):
+                got, where = on["scratch"][name][slot], f"{rank=}, scratch {name} slot {slot}"
+                _assert_same(got[1:], want[1:], where + " past row 0")
+                assert not got[0].any(), f"{where}: row 0 not zeroed"
+                assert torch.equal(want[0], torch.full_like(want[0], 0xFF)), f"{where}: SGLang's row 0 was written"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
