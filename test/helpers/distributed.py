@@ -18,6 +18,7 @@ when they share a process group (it is broken), else only those whose call did n
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import itertools
 import os
@@ -63,8 +64,27 @@ def nccl_device(rank: int) -> int:
     exact, slow (correctness only, never a timing). Call before the rank's first NCCL collective."""
     if torch.cuda.device_count() > rank:
         return rank
-    os.environ.update(SHARED_GPU_NCCL_ENV, NCCL_HOSTID=f"nsa-cp-test-rank-{rank}")
+    os.environ.update(SHARED_GPU_NCCL_ENV, NCCL_HOSTID=nccl_hostid(rank))
     return 0
+
+
+def nccl_hostid(rank: int) -> str:
+    return f"nsa-cp-test-rank-{rank}"
+
+
+@contextlib.contextmanager
+def on_gpu_zero(rank: int):
+    """Around starting rank `rank`'s process: yields GPU 0, with NCCL_HOSTID naming the rank in
+    the environment the child inherits (restored after); what `nccl_device` does in-process."""
+    saved = os.environ.get("NCCL_HOSTID")
+    os.environ["NCCL_HOSTID"] = nccl_hostid(rank)
+    try:
+        yield 0
+    finally:
+        if saved is None:
+            os.environ.pop("NCCL_HOSTID", None)
+        else:
+            os.environ["NCCL_HOSTID"] = saved
 
 
 def _worker(rank, world_size, port, backend, timeout_s, stack_path, calls, results):

@@ -15,13 +15,12 @@ names every one it needed.
 
 The launcher also puts every rank of a server on GPU 0 (the machine has one), each rank its own
 NCCL host (`helpers.distributed.SHARED_GPU_NCCL_ENV` in the server's environment, NCCL_HOSTID set
-per rank here): NCCL then runs over sockets on loopback, exact and slow. Test-only: the product
+per rank by `helpers.distributed.on_gpu_zero`): NCCL then runs over sockets on loopback, exact and slow. Test-only: the product
 never sets NCCL_HOSTID.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.machinery
 import os
 import runpy
@@ -30,6 +29,7 @@ import types
 
 from helpers import gpu_stand_ins
 from helpers import sglang_gpu_harness as G
+from helpers.distributed import on_gpu_zero
 
 STAND_IN_LOG = "gpu stand-in"
 
@@ -47,21 +47,6 @@ def install() -> None:
     soundfile = types.ModuleType("soundfile")
     soundfile.__spec__ = importlib.machinery.ModuleSpec("soundfile", None)
     sys.modules.setdefault("soundfile", soundfile)
-
-
-@contextlib.contextmanager
-def _on_gpu_zero(gpu_id: int):
-    """Stands in for SGLang's `maybe_reindex_device_id` around a scheduler's start: GPU 0 for
-    every rank, NCCL_HOSTID naming the rank in the environment the child inherits."""
-    saved = os.environ.get("NCCL_HOSTID")
-    os.environ["NCCL_HOSTID"] = f"nsa-cp-server-rank-{gpu_id}"
-    try:
-        yield 0
-    finally:
-        if saved is None:
-            os.environ.pop("NCCL_HOSTID", None)
-        else:
-            os.environ["NCCL_HOSTID"] = saved
 
 
 def _pin_loaded_model(result, runner, *args, **kwargs):
@@ -84,7 +69,7 @@ install()
 if __name__ == "__main__":
     import sglang.srt.entrypoints.engine as engine
 
-    engine.maybe_reindex_device_id = _on_gpu_zero
+    engine.maybe_reindex_device_id = on_gpu_zero  # SGLang passes each rank's GPU id: here, its rank
     sys.argv[0] = "sglang.launch_server"
     # alter_sys=False keeps this module as __main__, so the spawned processes import it first
     runpy.run_module("sglang.launch_server", run_name="__main__")

@@ -3,7 +3,7 @@
 
 The CPU forward test shows NaN in an unwritten scratch row 0 reaching the logits under SGLang's
 own class, but there FlashMLA's CPU stand-in reads row 0 for masked entries. Here CP=2 ranks
-(sharing GPU 0 over gloo on one GPU, `sglang_gpu_harness.comm_setup`) run the first batch of the
+(over NCCL; sharing GPU 0 on one GPU, `helpers.distributed.nccl_device`) run the first batch of the
 GPU correctness scenario (two cold prompts, 4,072 tokens, no cached history) through SGLang's
 DSA forward on CUDA (test/helpers/sglang_gpu_row0.py) over SGLang's replicated pool, SGLang's
 own page-interleaved class and the plugin's subclass, both sharded scratches NaN as the batch
@@ -46,7 +46,7 @@ def ranks(request):
 
     path = G.write_config(tempfile.mkdtemp(prefix="glm5_attn_"), G.GLM5_ATTN)
     return request.param, run_ranks(run_poisoned_batch_without_history, 2, args=(path, request.param),
-                                    backend=G.comm_setup(0, 2)[0], timeout_s=900)  # fmt: skip
+                                    backend="nccl", timeout_s=900)  # fmt: skip
 
 
 def test_each_pool_is_the_class_it_names_and_the_batch_has_no_history(ranks):

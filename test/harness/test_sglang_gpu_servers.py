@@ -1,0 +1,71 @@
+"""CPU, ~5 s: the GPU server harness's set-up (test/helpers/sglang_gpu_servers.py and
+sglang_gpu_server_stand_ins.py), checked without a GPU: what `scripts/gpu_run.sh server` runs
+on the H200 must compare like with like and put every rank on GPU 0 as its own NCCL host."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=5, suite="nsa-cp-test-cpu")
+
+
+def _arg(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_both_prefills_get_the_same_kv_bytes_per_rank_and_only_shared_has_the_flag(cp):
+    from helpers import sglang_gpu_servers as GS
+
+    roles = GS.roles(cp)
+    shared, replicated = roles["shared"][0], roles["replicated"][0]
+    assert _arg(shared, "--max-total-tokens") == _arg(replicated, "--max-total-tokens"), f"{cp=}"
+    assert "--enable-nsa-prefill-cp-shared-kv" in shared, f"{cp=}"
+    assert "--enable-nsa-prefill-cp-shared-kv" not in replicated, f"{cp=}"
+    assert _arg(shared, "--attn-cp-size") == _arg(replicated, "--attn-cp-size") == str(cp), f"{cp=}"
+
+
+def test_the_long_prompt_fits_the_shared_pool_at_cp4_but_not_one_rank():
+    from helpers import sglang_gpu_servers as GS
+
+    long_prompt = 100_000  # what gpu_run.sh server sends
+    assert GS.PREFILL_TOKENS_PER_RANK < long_prompt <= 4 * GS.PREFILL_TOKENS_PER_RANK - 4 * GS.CHUNK_TOKENS
+    assert long_prompt < GS.BIG_POOL_TOKENS and long_prompt < GS.CONTEXT_TOKENS
+    assert GS.MODEL["vocab_size"] % (4 * 64) == 0, "the vocabulary must split at TP 4 in 64-row shards"
+
+
+def test_servers_run_on_cuda_through_the_stand_in_launcher_with_socket_nccl(tmp_path):
+    from helpers import sglang_gpu_servers as GS
+
+    cluster = GS.GpuCluster(tmp_path, cp=4, kv_cache_dtype="fp8_e4m3")
+    cluster.model = str(tmp_path / "model")
+    cmd = cluster.server_command(1, cluster.role("shared")[0], 2, 3)
+    assert cmd[1:3] == ["-m", "helpers.sglang_gpu_server_stand_ins"], cmd
+    assert (_arg(cmd, "--device"), _arg(cmd, "--kv-cache-dtype")) == ("cuda", "fp8_e4m3")
+    assert _arg(cmd, "--dsa-prefill-backend") == "flashmla_sparse"
+    env = cluster.server_env()
+    assert env["NCCL_P2P_DISABLE"] == env["NCCL_SHM_DISABLE"] == "1" and env["NCCL_SOCKET_IFNAME"] == "lo"
+    assert env["TRITON_INTERPRET"] == "0" and env["NCCL_NVLS_ENABLE"] == "0"
+    assert "NCCL_HOSTID" not in env, "the launcher sets it per rank, never for a whole server"
+    assert not [k for k in GS.CPU_ONLY_ENV if k in env and k not in GS.GPU_ENV]
+    entry_points = (tmp_path / "plugin_site").glob("*.dist-info/entry_points.txt")
+    assert "helpers.sglang_gpu_server_stand_ins:register" in next(entry_points).read_text()
+
+
+def test_each_rank_starts_on_gpu_zero_as_its_own_nccl_host(monkeypatch):
+    monkeypatch.setenv("NCCL_HOSTID", "outer")
+    from helpers.distributed import on_gpu_zero
+
+    for rank in (0, 3):
+        with on_gpu_zero(rank) as gpu:
+            assert gpu == 0
+            assert os.environ["NCCL_HOSTID"] == f"nsa-cp-test-rank-{rank}"
+        assert os.environ["NCCL_HOSTID"] == "outer", "restored for the launcher's next child"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
