@@ -292,6 +292,10 @@ def _private_name_problem(name: str, kind: str) -> str | None:
         cls = resolve_sglang(owner)
     except (ImportError, AttributeError, ValueError) as err:
         return f"its class no longer resolves ({type(err).__name__}: {err})"
+    try:
+        attributes_set_on_self(cls)
+    except (OSError, TypeError) as err:  # an install without SGLang's .py sources
+        return f"cannot be checked: SGLang's source of {cls.__qualname__} is not readable ({err})"
     static = inspect.getattr_static(cls, attr, None)
     is_method = inspect.isfunction(static)
     if kind == "method":
