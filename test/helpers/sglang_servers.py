@@ -98,10 +98,25 @@ def write_tokenizer(path: str, vocab_size: int) -> None:
 MODEL = dict(H.TINY_V32, index_n_heads=16)
 
 
-def write_model(path: str) -> str:
-    """The tiny checkpoint (`MODEL`), plus a tokenizer."""
-    H.write_checkpoint(path, MODEL)
-    write_tokenizer(path, MODEL["vocab_size"])
+def model_for_tp(tp: int) -> dict:
+    """`MODEL` with as many attention heads as there are TP ranks, so that it loads at TP `tp`.
+
+    With --device cpu SGLang pads the attention heads to a multiple of the TP size (its
+    configs/update_config.py `adjust_config_with_unaligned_cpu_tp`: 2 heads become 4 at TP 4), but
+    the attention weight loaders pad only under its CPU engine (SGLANG_USE_CPU_ENGINE), so a
+    checkpoint of 2 heads dies at TP 4 in linear.py ("start (0) + length (256) exceeds dimension
+    size (128)": kv_b_proj sized for 4 heads x 64). The MLP's padded intermediate size loads (its
+    loader zero-pads). At TP 2 this is `MODEL` itself. Every server of a cluster, the TP 1 ones
+    included, loads the same checkpoint."""
+    if tp < 2:
+        raise ValueError(f"model_for_tp({tp}): the TP size of the CP servers must be >= 2 (1 is no CP)")
+    return dict(MODEL, num_attention_heads=tp, num_key_value_heads=tp)
+
+
+def write_model(path: str, config: dict = MODEL) -> str:
+    """The tiny checkpoint (`config`, by default `MODEL`), plus a tokenizer."""
+    H.write_checkpoint(path, config)
+    write_tokenizer(path, config["vocab_size"])
     return path
 
 
@@ -336,6 +351,22 @@ def one_context_scratch() -> str:
     return f"prefix_tokens={-(-MODEL['max_position_embeddings'] // span) * span} chunk_tokens={CHUNK_TOKENS} "
 
 
+def with_cp(role_args: list[str], cp: int) -> list[str]:
+    """A role's arguments at CP size `cp` instead of `CP` (its --tp and --attn-cp-size, if any)."""
+    out = list(role_args)
+    for i, a in enumerate(out[:-1]):
+        if a in ("--tp", "--attn-cp-size"):
+            out[i + 1] = str(cp)
+    return out
+
+
+def omp_threads_bind(cp: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND with one entry per CP rank (SGLang requires one per rank when
+    ranks outnumber NUMA nodes): the ranks take this process's cores in turn ("0|1" on 2 cores)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return "|".join(str(cores[r % len(cores)]) for r in range(cp))
+
+
 def server_command(
     model: str, port: int, role_args: list[str], bootstrap_port: int | None, nccl_port: int
 ) -> list[str]:
@@ -365,11 +396,17 @@ def router_command(port: int, prefill: Server, decode: Server) -> list[str]:
 
 @dataclass
 class Cluster:
-    """The servers of one test run; start them together, stop them all."""
+    """The servers of one test run; start them together, stop them all.
+
+    `cp`: the CP size of the CP roles (their --tp and --attn-cp-size; the checkpoint is
+    `model_for_tp(cp)`). `extra_args`: role name -> launch arguments appended to that role's
+    (later arguments win: a `--max-total-tokens` here overrides the role's and server_command's)."""
 
     workdir: Path
     roles: tuple[str, ...] = ("shared", "replicated", "decode", "single")
     router: bool = True
+    cp: int = CP
+    extra_args: dict[str, list[str]] = field(default_factory=dict)
     servers: dict[str, Server] = field(default_factory=dict)
     procs: list[Proc] = field(default_factory=list)
     model: str = ""
@@ -389,13 +426,15 @@ class Cluster:
             assert not leftovers, f"after stopping the servers: {leftovers}"
 
     def start(self, timeout_s: float = 240.0) -> "Cluster":
-        self.model = write_model(str(self.workdir / "model"))
+        self.model = write_model(str(self.workdir / "model"), model_for_tp(self.cp))
         env = server_env(write_plugin_site(str(self.workdir / "plugin_site")))
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = omp_threads_bind(self.cp)
         # SGLang's zmq sockets and temporary files go here, not into /tmp (a killed server leaves them)
         env["TMPDIR"] = str(self.workdir / "tmp")
         (self.workdir / "tmp").mkdir(parents=True, exist_ok=True)
         for name in self.roles:
             role_args, needs_bootstrap = ROLES[name]
+            role_args = with_cp(role_args, self.cp) + self.extra_args.get(name, [])
             ports = free_ports(3 if needs_bootstrap else 2)  # HTTP, torch.distributed's store, bootstrap
             bootstrap = ports[2] if needs_bootstrap else None
             server = Server(name, server_command(self.model, ports[0], role_args, bootstrap, ports[1]), env,
