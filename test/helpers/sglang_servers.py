@@ -2,7 +2,7 @@
 oracles, a decode, SGLang's router; HTTP clients for them.
 
 Used by test_sglang_server_pd.py, test_sglang_server_hicache.py and test_sglang_server_fp8.py, and by
-the demo (`scripts/demo.sh`, test/helpers/demo.py). What runs, what is replaced and
+the demo (`scripts/demo.sh`, test/helpers/demo.py, test_demo.py). What runs, what is replaced and
 why: docs/sglang_cpu_server.md.
 
 Every server is `python -m sglang.launch_server` in its own process group (launcher, scheduler
