@@ -4,7 +4,7 @@
 # replicated-CP prefill (the same KV rows per rank) and a non-CP oracle server; a few requests, the
 # tokens checked against the oracle, a prompt longer than one rank's pool (replicated refuses it,
 # shared KV serves it), SGLang's capacity and memory reports side by side; everything stopped at the
-# end, also on Ctrl-C. Sets up .venv if needed (progress on stderr). Options: --cp N (2 to 8),
+# end, also on Ctrl-C. Sets up .venv if needed (progress on stderr). Options: --cp N (2, 4 or 8),
 # --kv-cache-dtype fp8_e4m3, --hicache, --workdir DIR; see test/helpers/demo.py and
 # docs/sglang_cpu_server.md.
 set -euo pipefail

@@ -33,6 +33,7 @@ from helpers import sglang_servers as S
 PROMPT_LENGTHS = (5, 70, 200)  # one page, two pages, four pages (the last one in 2 prefill chunks)
 NEW_TOKENS = 8
 MAX_CP = 8
+CP_SIZES = S.CPU_TP_SIZES  # the CP sizes that run on CPU (sglang_servers.model_for_tp says why)
 # Each prefill rank's KV pool (--max-total-tokens), the same on both prefills: the replicated one
 # admits prompts shorter than it (SGLang's max_req_input_len: the pool - 6), the shared one N x that,
 # up to the checkpoint's context (1024). LONG_PROMPT lies between, with room for NEW_TOKENS.
@@ -45,6 +46,9 @@ REFUSAL = re.compile(r"Input length \((\d+) tokens\) exceeds the maximum allowed
 POOL_LOG = re.compile(r"ATTN_CP(\d+) [^\]]*\] KV Cache is allocated\. dtype: (\S+), #tokens: (\d+)")
 SCRATCH_LOG = re.compile(r"ATTN_CP(\d+) [^\]]*\] Page-interleave KV sharding enabled: .*?\(([\d.]+) MiB per rank")
 HOST_POOL_LOG = re.compile(r"ATTN_CP(\d+) [^\]]*\] Allocating kv hierarchical KV host pool: (\d+) tokens")
+# Start-up limit: every CP rank is a scheduler process importing SGLang (~10 s of CPU each on a quiet
+# machine); at CP=8 on 2 cores shared with other work, 600 s was not enough for the 2 x 8 ranks.
+START_S_PER_RANK = 60
 TRANSFER_KEYS = ("kv_transfer_speed_gb_s", "kv_transfer_latency_ms")
 
 
@@ -56,7 +60,7 @@ class _OneLineErrors(argparse.ArgumentParser):
 def parse_args(argv=None) -> argparse.Namespace:
     """Every option checked before anything starts; a bad one exits 2 with one line."""
     parser = _OneLineErrors(prog="scripts/demo.sh", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cp", default="2", help=f"prefill CP size, 2 to {MAX_CP} (default 2)")
+    parser.add_argument("--cp", default="2", help=f"prefill CP size, {CP_SIZES} (default 2)")
     parser.add_argument("--kv-cache-dtype", default="bfloat16", help="bfloat16 (default) or fp8_e4m3")
     parser.add_argument("--hicache", action="store_true", help="HiCache's host tier on both prefills")
     parser.add_argument("--workdir", default=None, help="model and logs (default: a new temporary folder)")
@@ -64,6 +68,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.cp.isdigit() or not 2 <= int(args.cp) <= MAX_CP:
         parser.error(f"--cp {args.cp}: must be an integer from 2 to {MAX_CP} (prefill CP ranks; 1 is no CP)")
     args.cp = int(args.cp)
+    if args.cp not in CP_SIZES:
+        parser.error(f"--cp {args.cp}: on CPU must be 2, 4 or 8: SGLang pads a --device cpu server's attention "
+                     "heads to a multiple of N and its flashmla_sparse path needs a head count that divides 64 "
+                     "(docs/sglang_cpu_server.md)")  # fmt: skip
     if args.kv_cache_dtype not in ("bfloat16", "fp8_e4m3"):
         parser.error(f"--kv-cache-dtype {args.kv_cache_dtype}: must be bfloat16 or fp8_e4m3")
     if args.workdir is not None and Path(args.workdir).exists() and any(Path(args.workdir).iterdir()):
@@ -261,7 +269,7 @@ def run_demo(args, workdir: Path) -> DemoRun:
     try:
         stage(f"starting 4 SGLang servers and the router (CP={args.cp}; logs in {workdir / 'logs'}) ...")
         t = time.monotonic()
-        cluster.start(timeout_s=600)
+        cluster.start(timeout_s=START_S_PER_RANK * 2 * args.cp + 300)
         run.startup_s = time.monotonic() - t
         stage(f"servers up in {run.startup_s:.0f} s")
         run.rows = run_requests(cluster)

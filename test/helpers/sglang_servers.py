@@ -98,6 +98,10 @@ def write_tokenizer(path: str, vocab_size: int) -> None:
 MODEL = dict(H.TINY_V32, index_n_heads=16)
 
 
+# TP sizes a --device cpu server of the tiny model can run at (model_for_tp says why)
+CPU_TP_SIZES = (2, 4, 8)
+
+
 def model_for_tp(tp: int) -> dict:
     """`MODEL` with as many attention heads as there are TP ranks, so that it loads at TP `tp`.
 
@@ -106,10 +110,16 @@ def model_for_tp(tp: int) -> dict:
     the attention weight loaders pad only under its CPU engine (SGLANG_USE_CPU_ENGINE), so a
     checkpoint of 2 heads dies at TP 4 in linear.py ("start (0) + length (256) exceeds dimension
     size (128)": kv_b_proj sized for 4 heads x 64). The MLP's padded intermediate size loads (its
-    loader zero-pads). At TP 2 this is `MODEL` itself. Every server of a cluster, the TP 1 ones
-    included, loads the same checkpoint."""
-    if tp < 2:
-        raise ValueError(f"model_for_tp({tp}): the TP size of the CP servers must be >= 2 (1 is no CP)")
+    loader zero-pads). SGLang's flashmla_sparse path also needs the head count to divide 64
+    (dsa_backend.py pads the heads to 64), so TP must be a power of two: at TP 3 neither 2 heads
+    (padded to 3) nor 3 would do. At TP 2 this is `MODEL` itself. Every server of a cluster, the
+    TP 1 ones included, loads the same checkpoint."""
+    if tp not in CPU_TP_SIZES:
+        raise ValueError(
+            f"model_for_tp({tp}): a CPU server of the tiny model runs at TP {CPU_TP_SIZES}: SGLang pads a "
+            "--device cpu server's attention heads to a multiple of TP and its flashmla_sparse path needs a "
+            "head count that divides 64; use one of those"
+        )
     return dict(MODEL, num_attention_heads=tp, num_key_value_heads=tp)
 
 

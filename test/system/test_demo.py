@@ -3,11 +3,13 @@ docs/sglang_cpu_server.md show, through the demo's own code path: SGLang's real 
 of every path against the oracle, the prompt only shared KV can serve, SGLang's capacity reports.
 
 - A few seconds: the tiny checkpoint loads at every CP size the demo takes (SGLang's CPU head
-  padding leaves it alone), and the report's capacity sentence says what its rows show.
+  padding leaves it alone), the others are refused with the reason, and the report's capacity
+  sentence says what its rows show.
 - ~3-5 min in CI: `--cp 4 --kv-cache-dtype fp8_e4m3 --hicache` (the command the docs show: four CP
   ranks per prefill, fp8 KV, HiCache's host tier), ~20 SGLang processes on 2 cores.
-- By hand (NSA_CP_DEMO_ALL=1): the default (CP=2, bf16), `--cp 3` and `--cp 8` (the slowest: 2 x 8
-  CP ranks; timings in docs/sglang_cpu_server.md).
+- By hand (NSA_CP_DEMO_ALL=1): the default (CP=2, bf16) and `--cp 8` (the slowest: 2 x 8 CP ranks;
+  timings in docs/sglang_cpu_server.md). `--cp` 3, 5, 6 and 7 cannot run on CPU (SGLang's CPU head
+  padding against flashmla_sparse's 64-head rule): refused with the reason, checked here.
 
 Each server run: every prompt's greedy tokens through the shared-KV PD (router), the replicated PD
 and the non-CP oracle are equal; a prompt longer than one prefill rank's pool (both prefills hold
@@ -40,7 +42,6 @@ BY_HAND = pytest.mark.skipif(
 DEMO_COMMANDS = [
     pytest.param(["--cp", "4", "--kv-cache-dtype", "fp8_e4m3", "--hicache"], id="cp4-fp8-hicache"),
     pytest.param([], id="default", marks=BY_HAND),
-    pytest.param(["--cp", "3"], id="cp3", marks=BY_HAND),
     pytest.param(["--cp", "8"], id="cp8", marks=BY_HAND),
 ]
 
@@ -60,12 +61,24 @@ def _adjusted_heads(config: dict, tp: int, tmp_path) -> tuple[int, int]:
 
 def test_the_checkpoint_keeps_its_heads_at_every_demo_cp_size(tmp_path):
     """SGLang pads a CPU server's heads to a multiple of TP but loads attention weights unpadded:
-    the demo's checkpoint at CP=N has N heads, so nothing is padded; MODEL's 2 heads would be."""
+    the demo's checkpoint at CP=N has N heads, so nothing is padded (MODEL's 2 heads would be at
+    4), and N divides 64 as SGLang's flashmla_sparse path needs."""
     assert _adjusted_heads(S.MODEL, 4, tmp_path) == (4, 4)  # what broke --cp 4 (kv_b_proj 256 vs 128)
     assert S.model_for_tp(S.CP) == S.MODEL  # the existing CP=2 tests keep their checkpoint
-    for tp in range(2, demo.MAX_CP + 1):
+    for tp in demo.CP_SIZES:
         config = S.model_for_tp(tp)
         assert _adjusted_heads(config, tp, tmp_path) == (tp, tp), f"{tp=}"
+        assert 64 % config["num_attention_heads"] == 0, f"{tp=}"
+
+
+@pytest.mark.parametrize("cp", [3, 5, 6, 7])
+def test_cp_sizes_that_cannot_run_on_cpu_are_refused_with_the_reason(cp, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        demo.parse_args(["--cp", str(cp)])
+    assert exit_.value.code == 2
+    assert f"--cp {cp}: on CPU must be 2, 4 or 8" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=f"model_for_tp\\({cp}\\)"):
+        S.model_for_tp(cp)
 
 
 def _capacity(logical_tokens: int, rows_per_rank: int, n: int) -> dict:
