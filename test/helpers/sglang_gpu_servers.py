@@ -75,7 +75,6 @@ def roles(cp: int) -> dict[str, tuple[list[str], bool]]:
 class GpuCluster(S.Cluster):
     """`sglang_servers.Cluster` on one GPU at CP=`cp` with `kv_cache_dtype` KV."""
 
-    cp: int = 2
     kv_cache_dtype: str = "bfloat16"
 
     def write_model(self, path: str) -> str:

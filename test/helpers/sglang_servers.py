@@ -2,7 +2,7 @@
 oracles, a decode, SGLang's router; HTTP clients for them.
 
 Used by test_sglang_server_pd.py, test_sglang_server_hicache.py and test_sglang_server_fp8.py, and by
-the demo (`scripts/demo.sh`, test/helpers/demo.py). What runs, what is replaced and
+the demo (`scripts/demo.sh`, test/helpers/demo.py, test_demo.py). What runs, what is replaced and
 why: docs/sglang_cpu_server.md.
 
 Every server is `python -m sglang.launch_server` in its own process group (launcher, scheduler
@@ -98,10 +98,35 @@ def write_tokenizer(path: str, vocab_size: int) -> None:
 MODEL = dict(H.TINY_V32, index_n_heads=16)
 
 
-def write_model(path: str) -> str:
-    """The tiny checkpoint (`MODEL`), plus a tokenizer."""
-    H.write_checkpoint(path, MODEL)
-    write_tokenizer(path, MODEL["vocab_size"])
+# TP sizes a --device cpu server of the tiny model can run at (model_for_tp says why)
+CPU_TP_SIZES = (2, 4, 8)
+
+
+def model_for_tp(tp: int) -> dict:
+    """`MODEL` with as many attention heads as there are TP ranks, so that it loads at TP `tp`.
+
+    With --device cpu SGLang pads the attention heads to a multiple of the TP size (its
+    configs/update_config.py `adjust_config_with_unaligned_cpu_tp`: 2 heads become 4 at TP 4), but
+    the attention weight loaders pad only under its CPU engine (SGLANG_USE_CPU_ENGINE), so a
+    checkpoint of 2 heads dies at TP 4 in linear.py ("start (0) + length (256) exceeds dimension
+    size (128)": kv_b_proj sized for 4 heads x 64). The MLP's padded intermediate size loads (its
+    loader zero-pads). SGLang's flashmla_sparse path also needs the head count to divide 64
+    (dsa_backend.py pads the heads to 64), so TP must be a power of two: at TP 3 neither 2 heads
+    (padded to 3) nor 3 would do. At TP 2 this is `MODEL` itself. Every server of a cluster, the
+    TP 1 ones included, loads the same checkpoint."""
+    if tp not in CPU_TP_SIZES:
+        raise ValueError(
+            f"model_for_tp({tp}): a CPU server of the tiny model runs at TP {CPU_TP_SIZES}: SGLang pads a "
+            "--device cpu server's attention heads to a multiple of TP and its flashmla_sparse path needs a "
+            "head count that divides 64; use one of those"
+        )
+    return dict(MODEL, num_attention_heads=tp, num_key_value_heads=tp)
+
+
+def write_model(path: str, config: dict = MODEL) -> str:
+    """The tiny checkpoint (`config`, by default `MODEL`), plus a tokenizer."""
+    H.write_checkpoint(path, config)
+    write_tokenizer(path, config["vocab_size"])
     return path
 
 
@@ -336,6 +361,22 @@ def one_context_scratch() -> str:
     return f"prefix_tokens={-(-MODEL['max_position_embeddings'] // span) * span} chunk_tokens={CHUNK_TOKENS} "
 
 
+def with_cp(role_args: list[str], cp: int) -> list[str]:
+    """A role's arguments at CP size `cp` instead of `CP` (its --tp and --attn-cp-size, if any)."""
+    out = list(role_args)
+    for i, a in enumerate(out[:-1]):
+        if a in ("--tp", "--attn-cp-size"):
+            out[i + 1] = str(cp)
+    return out
+
+
+def omp_threads_bind(cp: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND with one entry per CP rank (SGLang requires one per rank when
+    ranks outnumber NUMA nodes): the ranks take this process's cores in turn ("0|1" on 2 cores)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return "|".join(str(cores[r % len(cores)]) for r in range(cp))
+
+
 def server_command(
     model: str, port: int, role_args: list[str], bootstrap_port: int | None, nccl_port: int
 ) -> list[str]:
@@ -367,11 +408,17 @@ def router_command(port: int, metrics_port: int, prefill: Server, decode: Server
 
 @dataclass
 class Cluster:
-    """The servers of one test run; start them together, stop them all."""
+    """The servers of one test run; start them together, stop them all.
+
+    `cp`: the CP size of the CP roles (their --tp and --attn-cp-size; the checkpoint is
+    `model_for_tp(cp)`). `extra_args`: role name -> launch arguments appended to that role's
+    (later arguments win: a `--max-total-tokens` here overrides the role's and server_command's)."""
 
     workdir: Path
     roles: tuple[str, ...] = ("shared", "replicated", "decode", "single")
     router: bool = True
+    cp: int = CP
+    extra_args: dict[str, list[str]] = field(default_factory=dict)
     servers: dict[str, Server] = field(default_factory=dict)
     procs: list[Proc] = field(default_factory=list)
     model: str = ""
@@ -393,13 +440,16 @@ class Cluster:
     # What a variant of this cluster (sglang_gpu_servers.GpuCluster) replaces: the model, the
     # servers' environment, each role's arguments and the command line.
     def write_model(self, path: str) -> str:
-        return write_model(path)
+        return write_model(path, model_for_tp(self.cp))
 
     def server_env(self) -> dict:
-        return server_env(write_plugin_site(str(self.workdir / "plugin_site")))
+        env = server_env(write_plugin_site(str(self.workdir / "plugin_site")))
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = omp_threads_bind(self.cp)
+        return env
 
     def role(self, name: str) -> tuple[list[str], bool]:
-        return ROLES[name]
+        role_args, needs_bootstrap = ROLES[name]
+        return with_cp(role_args, self.cp) + self.extra_args.get(name, []), needs_bootstrap
 
     def server_command(self, port: int, role_args: list[str], bootstrap_port: int | None, nccl_port: int):
         return server_command(self.model, port, role_args, bootstrap_port, nccl_port)
