@@ -107,7 +107,7 @@ def test_four_ranks_send_owned_pages_and_faults_fail_cleanly():
     PD.check_committed(reports, "plugin", mixed, n, info)
     PD.check_committed(reports, "plugin", grouped, n, info, runs=[1, 1, 1, 1])
     PD.check_failed(
-        reports, "plugin", silent["room"], "timed out after 6", "no transfer status from prefill rank(s) [2]"
+        reports, "plugin", silent["room"], "timed out after 6", "no accepted transfer status from prefill rank(s) [2]"
     )
     PD.check_committed(reports, "plugin", after_silent, n, info)
     lost = PD.owned(dropped["pages"], 1, n)[0]
@@ -361,7 +361,7 @@ def test_without_the_flag_the_prefill_manager_is_sglangs(monkeypatch):
 
     import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as frames
     import sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn as conn
-    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import max_manifest_bytes
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import MAX_USES, max_manifest_bytes
 
     assert [get_kv_class(TransferBackend.MOONCAKE, t) for t in (KVClassType.MANAGER, KVClassType.SENDER,
             KVClassType.RECEIVER)] == [conn.OwnedPageKVManager, conn.OwnedPageKVSender, conn.OwnedPageKVReceiver]  # fmt: skip
@@ -378,7 +378,7 @@ def test_without_the_flag_the_prefill_manager_is_sglangs(monkeypatch):
     mgr.conclude_transfer(bootstrap_room=7, status=KVPoll.Success)
     assert calls[-1] == {"bootstrap_room": 7, "status": KVPoll.Success} and not mgr.outgoing_manifests
     decode = conn.OwnedPageKVManager(kv_args, DisaggregationMode.DECODE, "server_args")
-    assert decode.pd_secret is None and calls[-1] == (1 << 20) + max_manifest_bytes(64)
+    assert decode.pd_secret is None and calls[-1] == (1 << 20) + max_manifest_bytes(64, MAX_USES)
     assert getattr(frames._STATUS_FRAME_LIMIT, "bytes", None) is None
 
 
