@@ -54,6 +54,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import sys  # noqa: E402
+import logging  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
@@ -380,6 +381,31 @@ def test_without_the_flag_the_prefill_manager_is_sglangs(monkeypatch):
     decode = conn.OwnedPageKVManager(kv_args, DisaggregationMode.DECODE, "server_args")
     assert decode.pd_secret is None and calls[-1] == (1 << 20) + max_manifest_bytes(64, MAX_USES)
     assert getattr(frames._STATUS_FRAME_LIMIT, "bytes", None) is None
+
+
+def test_a_plugin_decode_with_mooncake_unconfined_says_so_once(monkeypatch, caplog):
+    """Finding 9: a decode with the plugin (no flag, so none of the flag's start-up refusals)
+    started with Mooncake's ports open on every interface and said nothing. It now says so once
+    per process, naming the variable that records they are confined; with it set, nothing."""
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    import sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn as conn
+
+    monkeypatch.setattr(MooncakeKVManager, "__init__", lambda self, *a: None)
+    monkeypatch.setattr(conn, "_warned_unprotected", set())
+    monkeypatch.setenv("SGLANG_NSA_CP_PD_SECRET", PD.SECRET.decode())
+    kv_args = SimpleNamespace(kv_data_lens=[64 * 1024], kv_item_lens=[1024])
+    with caplog.at_level(logging.WARNING, logger=conn.logger.name):
+        monkeypatch.setenv("SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED", "1")
+        conn.OwnedPageKVManager(kv_args, DisaggregationMode.DECODE, "server_args")
+        assert not caplog.records, [r.getMessage() for r in caplog.records]
+        monkeypatch.delenv("SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED")
+        for _ in range(2):
+            conn.OwnedPageKVManager(kv_args, DisaggregationMode.DECODE, "server_args")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "Mooncake opens its handshake/RPC listener" in lines[0], lines
+    assert "then set SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED=1" in lines[0], lines
 
 
 def test_status_socket_refuses_frames_past_its_limit():

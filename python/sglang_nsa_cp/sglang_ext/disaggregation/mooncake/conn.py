@@ -25,7 +25,9 @@ from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, MooncakeK
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_nsa_cp.disagg import auth
+from sglang_nsa_cp.disagg.listeners import exposure
 from sglang_nsa_cp.disagg.manifest import cut
+from sglang_nsa_cp.envs import envs
 from sglang_nsa_cp.sglang_ext.disaggregation.common.conn import limited_status_frames
 from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import (
     MANIFEST_TAG,
@@ -96,6 +98,16 @@ def _warn_once_if_unprotected(mode, secret) -> None:
         )
 
 
+def _warn_once_if_mooncake_unconfined() -> None:
+    """One line per process when a decode with the plugin starts (no flag there, so no start-up
+    refusal as on a shared-KV prefill) while its deployer has not said Mooncake's ports, open on
+    every interface whatever the configured host, are confined to the PD peers."""
+    confined = envs.SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED
+    if "mooncake" not in _warned_unprotected and not confined.get() and (problem := exposure(confined.name)):
+        _warned_unprotected.add("mooncake")
+        logger.warning("owned-page PD decode: %s", problem)
+
+
 class OwnedPageKVManager(MooncakeKVManager):
     """SGLang's Mooncake manager with the owned-page checks (prefill) and the commit rule (decode)."""
 
@@ -126,6 +138,7 @@ class OwnedPageKVManager(MooncakeKVManager):
         # Decode: status messages carry manifests of at most the pool's pages; nothing SGLang
         # sends to this socket comes near 1 MiB.
         _warn_once_if_unprotected(disaggregation_mode, self.pd_secret)
+        _warn_once_if_mooncake_unconfined()
         with limited_status_frames((1 << 20) + max_manifest_bytes(pool_pages(args), MAX_USES)):
             super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
 
