@@ -9,7 +9,12 @@ every room waits until it times out (docs/upstream.md). Checked here:
 - in process, a table of hostile messages of every kind the thread dispatches (AUX_DATA,
   CHUNK_READY, STAGING_REQ, ABORT_ACK, statuses; bad indices, wrong types, wrong frame counts,
   oversize, forged and replayed statuses with the secret) each gives its reason, plus seeded
-  mutations of each kind; good messages pass;
+  mutations of a valid message of each kind for the waiting room; good messages pass;
+- replays and limits, through SGLang's receiver (the plugin's, its real `__init__` and
+  `send_metadata`) and its decode thread: an earlier use's Failed before the metadata, a Success
+  repeated within its use, a rank the room did not target, the timeout's reason, statuses SGLang
+  would only log, frames shown without a whole-frame repr, the socket's receive queue, and what
+  SGLang's metadata channel can make a prefill keep;
 - SGLang's real decode thread (`MooncakeKVManager.start_decode_thread`) on a real socket: behind
   the guard it drops every one of them, writes nothing out of place and still commits a room;
   without it (SGLang's own manager) an aux index past the end writes into the next buffer and
@@ -41,7 +46,7 @@ from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from helpers import sglang_pd_harness as PD  # noqa: E402
 
-register_cpu_ci(est_time=100, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=120, suite="nsa-cp-test-cpu")
 
 SECRET = b"status-guard-test-secret-0123456789"
 ROOM, AUX_INDEX = 7, 3  # the room in flight and the aux slot this decode gave it
