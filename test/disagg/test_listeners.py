@@ -1,13 +1,16 @@
 """Mooncake's listeners (issue #32): `listening_sockets` reads a process's own listeners; a Mooncake
-TransferEngine started as SGLang starts it listens on every interface; the plugin's table of
-Mooncake settings that bind a listener (`disagg/listeners.py`, none today) is true: with every
-bind-sounding setting a listener is still on a wildcard address, so the flag's refusal stands
-(CPU, three engine subprocesses, ~5 s)."""
+TransferEngine started as SGLang starts it listens on every interface, whatever its own log says;
+the plugin's table of Mooncake settings that bind a listener (`disagg/listeners.py`, none today)
+is true: with every bind-sounding setting a listener is still on a wildcard address, so the flag's
+refusal stands; the installed Mooncake build is a row of `CHECKED_BUILDS` (CPU, three engine
+subprocesses, ~5 s; on a GPU node with its CUDA wheel the same file checks that wheel)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
+import re
 import selectors
 import socket
 import subprocess
@@ -18,9 +21,15 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 from helpers.listeners import is_wildcard, listening_sockets
 
-from sglang_nsa_cp.disagg.listeners import NON_BINDING_SETTINGS, exposure, unbound_listeners
+from sglang_nsa_cp.disagg.listeners import (
+    CHECKED_BUILDS,
+    MOONCAKE_DISTRIBUTIONS,
+    NON_BINDING_SETTINGS,
+    exposure,
+    unbound_listeners,
+)
 
-register_cpu_ci(est_time=5, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=10, suite="nsa-cp-test-cpu")
 
 HOST = "127.0.0.1"
 
@@ -38,8 +47,9 @@ sys.stdin.read()
 needs_mooncake = pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="mooncake not installed")
 
 
-def _engine_listeners(env: dict[str, str]) -> tuple[int, list[tuple[str, int]]]:
-    """Start an engine with `env` over a clean MC_* environment; its rpc port and listeners."""
+def _engine_listeners(env: dict[str, str], log: list | None = None) -> tuple[int, list[tuple[str, int]]]:
+    """Start an engine with `env` over a clean MC_* environment; its rpc port and listeners (and
+    its log lines appended to `log`)."""
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("MC_")} | env
     proc = subprocess.Popen(
         [sys.executable, "-c", _ENGINE],
@@ -68,6 +78,8 @@ def _engine_listeners(env: dict[str, str]) -> tuple[int, list[tuple[str, int]]]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if log is not None:
+            log += proc.stderr.read().splitlines()
 
 
 def test_listening_sockets_reads_only_this_process():
@@ -104,14 +116,44 @@ def test_listening_sockets_reads_only_this_process():
             other.wait(timeout=30)
 
 
+def _installed_build() -> tuple[str, str] | None:
+    for name in MOONCAKE_DISTRIBUTIONS:
+        try:
+            return name, importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 @needs_mooncake
 def test_control_mooncake_listens_on_every_interface():
     """Without a setting the handshake port (and the data port) listen on 0.0.0.0 / ::, though the
-    engine's host is 127.0.0.1: what the test below must prevent or refuse."""
-    rpc_port, listeners = _engine_listeners({})
+    engine's host is 127.0.0.1, whatever Mooncake's log says: what the test below must prevent or
+    refuse. Prints the installed build's row for `CHECKED_BUILDS`."""
+    log = []
+    rpc_port, listeners = _engine_listeners({}, log)
     exposed = [(address, port) for address, port in listeners if is_wildcard(address)]
+    claims = sorted({m.group(0) for line in log if (m := re.search(r"listening on \S+", line))})
+    print(f"\nMooncake {_installed_build()}: listeners {sorted(listeners)}, rpc port {rpc_port}; its log: {claims}")
     assert any(port == rpc_port for _, port in exposed), listeners
     assert len(exposed) >= 2, f"expected the handshake and the TCP data listener on a wildcard: {listeners}"
+    for claim in claims:  # the row warns of the log line that says otherwise
+        address = claim.removeprefix("listening on ").rsplit(":", 1)[0]
+        if not is_wildcard(address):
+            assert f"listening on {address}:PORT" in CHECKED_BUILDS.get(_installed_build(), ""), (claim, listeners)
+
+
+@needs_mooncake
+def test_the_installed_mooncake_build_is_a_checked_row():
+    """The table names every Mooncake build these tests ran with, so an operator reading it (or
+    Mooncake's log) knows which builds were found open; a new build needs its row."""
+    build = _installed_build()
+    assert build is not None, f"mooncake is importable but none of {MOONCAKE_DISTRIBUTIONS} is installed"
+    assert build in CHECKED_BUILDS, (
+        f"Mooncake {build[0]} {build[1]} has no row in sglang_nsa_cp/disagg/listeners.py CHECKED_BUILDS: run "
+        "this file with -s, and add a row with the listeners and log line "
+        "test_control_mooncake_listens_on_every_interface prints"
+    )
 
 
 @needs_mooncake

@@ -5,12 +5,14 @@ dev)`, which opens two unauthenticated listeners whatever `host` is (`host` is o
 advertises): the handshake/RPC listener (every protocol) and the TCP data listener (protocol
 "tcp"), through which a peer reads and writes registered memory, KV pages included.
 
-Mooncake 0.3.13.post1 (the installed wheel) and its source up to main 3b5a594 have no setting that
+Mooncake 0.3.13.post1 (the CPU wheel) and its source up to main 3b5a594 have no setting that
 binds either one: `findAvailableTcpPort` (transfer_metadata_plugin.cpp:1309-1380) binds
 INADDR_ANY / IN6ADDR_ANY and `SocketHandShakePlugin::startDaemon` listens on that socket;
 `TcpContext` (tcp_transport/tcp_transport_session_impl.h:769-794) binds asio's dual-stack any
 address. Mooncake issue #1938 asks for one. test/disagg/test_listeners.py starts a real engine to
 keep this table true: when a Mooncake honours a setting, the test fails and says to record it here.
+Mooncake's own log misleads: built with host 127.0.0.1 it says "listening on 127.0.0.1:PORT"
+(`CHECKED_BUILDS`) while the socket is on every interface.
 """
 
 from __future__ import annotations
@@ -27,6 +29,24 @@ NON_BINDING_SETTINGS: dict[str, str] = {
     "MC_LEGACY_RPC_PORT_BINDING": "the port, from the host name, without P2PHANDSHAKE (transfer_engine_impl.cpp:120)",
     "MC_RDMA_BIND_ADDRESS": "the address of RDMA NIC paths (rdma_transport.cpp:194)",
 }
+
+
+# The Mooncake wheels test_listeners.py was run with (distribution, version) -> where, and what it
+# found; the test fails on a build not listed here and prints the row to add.
+CHECKED_BUILDS: dict[tuple[str, str], str] = {
+    ("mooncake-transfer-engine-non-cuda", "0.3.13.post1"): "CPU CI: the handshake/RPC listener on 0.0.0.0, "
+    "the TCP data listener on [::], with host 127.0.0.1 and with every setting of NON_BINDING_SETTINGS, while the "
+    "log says 'RPC using P2P handshake, listening on 127.0.0.1:PORT'",
+    ("mooncake-transfer-engine-cuda13", "0.3.14"): "one H200 (the wheel a CUDA 13 node installs), as a second "
+    "review found it: RPC listener on 0.0.0.0, TCP data listener on [::], with or without "
+    "MC_TCP_BIND_ADDRESS=127.0.0.1, while the log says 'RPC using P2P handshake, listening on 127.0.0.1:PORT'; "
+    "test_listeners.py on that machine confirms the row",
+}
+MOONCAKE_DISTRIBUTIONS = (
+    "mooncake-transfer-engine",
+    "mooncake-transfer-engine-non-cuda",
+    "mooncake-transfer-engine-cuda13",
+)
 
 
 def unbound_listeners() -> list[str]:

@@ -144,12 +144,14 @@ LEDGER: tuple[PatchPoint, ...] = (
                    (f"{_MOONCAKE}.MooncakeKVManager.build_receiver_metadata_message", "9f0d80d17c5f"),
                    (f"{_MOONCAKE}.MooncakeKVSender._prepare_send_indices", "12d63999a40d"),
                    (f"{_MOONCAKE}.MooncakeKVSender.clear", "f4ca892d9e9f"),
+                   (f"{_MOONCAKE}.MooncakeKVReceiver.__init__", "92e5d7186036"),
                    (f"{_MOONCAKE}.MooncakeKVReceiver.send_metadata", "aa806ab9e114"),
                    (f"{_MOONCAKE}.MooncakeKVReceiver._check_waiting_timeout", "f4ca892d9e9f"),
                    (f"{_MOONCAKE}.MooncakeKVReceiver._clear", "f4ca892d9e9f"),
                )),
     PatchPoint(f"{_COMMON}.get_zmq_socket_on_host", "AROUND", "disaggregation.common.conn:limit_status_frames",
-               "1528319d6891", "a decode manager's status socket gets ZMQ_MAXMSGSIZE before it binds", _SHARDED_PD),
+               "1528319d6891", "a decode manager's status socket gets ZMQ_MAXMSGSIZE and a 64-message ZMQ_RCVHWM before it "
+               "binds", _SHARDED_PD),
     # disaggregation/decode.py
     PatchPoint(f"{_S}disaggregation.decode.DecodePreallocQueue._alloc_for_decode_prealloc", "AROUND",
                "disaggregation.decode:allocate_grouped_by_owner", "3543d1920c47",

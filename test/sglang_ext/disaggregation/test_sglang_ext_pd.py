@@ -54,6 +54,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import sys  # noqa: E402
+import logging  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
@@ -107,7 +108,7 @@ def test_four_ranks_send_owned_pages_and_faults_fail_cleanly():
     PD.check_committed(reports, "plugin", mixed, n, info)
     PD.check_committed(reports, "plugin", grouped, n, info, runs=[1, 1, 1, 1])
     PD.check_failed(
-        reports, "plugin", silent["room"], "timed out after 6", "no transfer status from prefill rank(s) [2]"
+        reports, "plugin", silent["room"], "timed out after 6", "no accepted transfer status from prefill rank(s) [2]"
     )
     PD.check_committed(reports, "plugin", after_silent, n, info)
     lost = PD.owned(dropped["pages"], 1, n)[0]
@@ -361,7 +362,7 @@ def test_without_the_flag_the_prefill_manager_is_sglangs(monkeypatch):
 
     import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as frames
     import sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn as conn
-    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import max_manifest_bytes
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import MAX_USES, max_manifest_bytes
 
     assert [get_kv_class(TransferBackend.MOONCAKE, t) for t in (KVClassType.MANAGER, KVClassType.SENDER,
             KVClassType.RECEIVER)] == [conn.OwnedPageKVManager, conn.OwnedPageKVSender, conn.OwnedPageKVReceiver]  # fmt: skip
@@ -378,8 +379,33 @@ def test_without_the_flag_the_prefill_manager_is_sglangs(monkeypatch):
     mgr.conclude_transfer(bootstrap_room=7, status=KVPoll.Success)
     assert calls[-1] == {"bootstrap_room": 7, "status": KVPoll.Success} and not mgr.outgoing_manifests
     decode = conn.OwnedPageKVManager(kv_args, DisaggregationMode.DECODE, "server_args")
-    assert decode.pd_secret is None and calls[-1] == (1 << 20) + max_manifest_bytes(64)
+    assert decode.pd_secret is None and calls[-1] == (1 << 20) + max_manifest_bytes(64, MAX_USES)
     assert getattr(frames._STATUS_FRAME_LIMIT, "bytes", None) is None
+
+
+def test_a_plugin_decode_with_mooncake_unconfined_says_so_once(monkeypatch, caplog):
+    """Finding 9: a decode with the plugin (no flag, so none of the flag's start-up refusals)
+    started with Mooncake's ports open on every interface and said nothing. It now says so once
+    per process, naming the variable that records they are confined; with it set, nothing."""
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    import sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn as conn
+
+    monkeypatch.setattr(MooncakeKVManager, "__init__", lambda self, *a: None)
+    monkeypatch.setattr(conn, "_warned_unprotected", set())
+    monkeypatch.setenv("SGLANG_NSA_CP_PD_SECRET", PD.SECRET.decode())
+    kv_args = SimpleNamespace(kv_data_lens=[64 * 1024], kv_item_lens=[1024])
+    with caplog.at_level(logging.WARNING, logger=conn.logger.name):
+        monkeypatch.setenv("SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED", "1")
+        conn.OwnedPageKVManager(kv_args, DisaggregationMode.DECODE, "server_args")
+        assert not caplog.records, [r.getMessage() for r in caplog.records]
+        monkeypatch.delenv("SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED")
+        for _ in range(2):
+            conn.OwnedPageKVManager(kv_args, DisaggregationMode.DECODE, "server_args")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "Mooncake opens its handshake/RPC listener" in lines[0], lines
+    assert "then set SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED=1" in lines[0], lines
 
 
 def test_status_socket_refuses_frames_past_its_limit():

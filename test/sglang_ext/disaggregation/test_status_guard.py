@@ -9,7 +9,12 @@ every room waits until it times out (docs/upstream.md). Checked here:
 - in process, a table of hostile messages of every kind the thread dispatches (AUX_DATA,
   CHUNK_READY, STAGING_REQ, ABORT_ACK, statuses; bad indices, wrong types, wrong frame counts,
   oversize, forged and replayed statuses with the secret) each gives its reason, plus seeded
-  mutations of each kind; good messages pass;
+  mutations of a valid message of each kind for the waiting room; good messages pass;
+- replays and limits, through SGLang's receiver (the plugin's, its real `__init__` and
+  `send_metadata`) and its decode thread: an earlier use's Failed before the metadata, a Success
+  repeated within its use, a rank the room did not target, the timeout's reason, statuses SGLang
+  would only log, frames shown without a whole-frame repr, the socket's receive queue, and what
+  SGLang's metadata channel can make a prefill keep;
 - SGLang's real decode thread (`MooncakeKVManager.start_decode_thread`) on a real socket: behind
   the guard it drops every one of them, writes nothing out of place and still commits a room;
   without it (SGLang's own manager) an aux index past the end writes into the next buffer and
@@ -41,11 +46,12 @@ from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from helpers import sglang_pd_harness as PD  # noqa: E402
 
-register_cpu_ci(est_time=100, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=120, suite="nsa-cp-test-cpu")
 
 SECRET = b"status-guard-test-secret-0123456789"
 ROOM, AUX_INDEX = 7, 3  # the room in flight and the aux slot this decode gave it
 NOW, EARLIER = b"n" * 16, b"e" * 16  # this use's nonce, an earlier use's
+ABORT_GENERATION = 5  # the abort the decode holds ROOM for (SGLang's deferred release)
 ITEM_LENS, SLOTS = (8, 4), 16  # the in-process decode's two aux buffers: 16 slots of 8 and of 4 bytes
 NEIGHBOR_BYTES = 256  # what lies after them in memory
 
@@ -126,6 +132,9 @@ def hostile_messages(room, aux_index, kv_args, pages=4, use=NOW) -> list[Case]:
         Case("ABORT_ACK of 5 frames", [b"ABORT_ACK", b"%d" % room, b"0", b"1", b"1"], "ABORT_ACK of 5 frames"),
         Case("ABORT_ACK room not a number", [b"ABORT_ACK", b"\x00", b"0", b"1"], "room b'\\x00' is not a decimal number"),
         Case("ABORT_ACK negative generation", [b"ABORT_ACK", b"%d" % room, b"0", b"-5"], "generation b'-5' is not a decimal number"),  # fmt: skip
+        Case("ABORT_ACK without a generation", [b"ABORT_ACK", b"%d" % room, b"0"], f"ABORT_ACK of generation None for room {room}"),  # fmt: skip
+        Case("ABORT_ACK of another generation", [b"ABORT_ACK", b"%d" % room, b"0", b"%d" % (ABORT_GENERATION + 1)], "which this decode does not hold for that abort"),  # fmt: skip
+        Case("ABORT_ACK for a room not held", [b"ABORT_ACK", b"%d" % other, b"0", b"%d" % ABORT_GENERATION], f"for room {other}, which this decode does not hold"),  # fmt: skip
         # statuses: [room, status, prefill rank, reason?, manifest?, status signature?]
         Case("status of 1 frame", [b"%d" % room], "a status of 1 frames (3 to 6 expected)"),
         Case("status of 2 frames", [b"%d" % room, b"4"], "a status of 2 frames (3 to 6 expected)"),
@@ -165,8 +174,7 @@ def good_messages(room, aux_index, kv_args, pages=4, secret=None) -> dict[str, l
     return {
         "AUX_DATA of the room's slot": _aux(room, 0, b"%d" % aux_index, b"\x11" * kv_args.aux_item_lens[0]),
         "AUX_DATA, the last buffer": _aux(room, len(kv_args.aux_data_ptrs) - 1, b"%d" % aux_index, b"\x22"),
-        "ABORT_ACK": [b"ABORT_ACK", b"%d" % room, b"1", b"5"],
-        "generation-less ABORT_ACK": [b"ABORT_ACK", b"%d" % room, b"1"],
+        "ABORT_ACK": [b"ABORT_ACK", b"%d" % room, b"1", b"%d" % ABORT_GENERATION],
         "Success of rank 0": _status(room, 4, 0, b"", encode_manifest(_claims(0, pages), room, 0, secret, uses=[NOW])),
         "Success of rank 1, two destinations": _status(
             room, 4, 1, b"", encode_manifest(_claims(1, pages), room, 1, secret, uses=[EARLIER, NOW])
@@ -182,28 +190,42 @@ def kind(msg) -> str:
     return msg[0].decode() if msg[0] in KINDS else "status"
 
 
+# Frames no numeric field takes (not ASCII decimal, or past 20 digits), nor any optional frame
 _HOSTILE_FRAMES = [b"", b"-1", b"x", b"\xff\xfe", b"9" * 25, b"1_0", b" 1", b"1.0", b"0x1f", "٣".encode(), b"\x00" * 9]
 
 
-def mutated_messages(room, kv_args, per_kind=30, seed=0) -> list[list]:
-    """`per_kind` seeded mutations of a well-formed message of each kind, each for `room`, which
-    must not be waiting on the decode (so none can be right): a frame replaced by a hostile value,
-    dropped, or a hostile frame appended."""
-    rng = random.Random(seed)
-    templates = [
-        _aux(room, 0, b"0", b"\x33" * kv_args.aux_item_lens[0]),
+def valid_messages(room, aux_index, kv_args) -> list[list]:
+    """One well-formed message of each kind for `room`, waiting on a decode without the secret
+    that gave it aux slot `aux_index` (CHUNK_READY and STAGING_REQ: with staging)."""
+    return [
+        _aux(room, 0, b"%d" % aux_index, b"\x33" * kv_args.aux_item_lens[0]),
         [b"CHUNK_READY", b"%d" % room, b"0", b"0", b"1", b"writer", b"0"],
         [b"STAGING_REQ", b"%d" % room, b"0", b"1", b"session", b"0"],
-        [b"ABORT_ACK", b"%d" % room, b"1"],
+        [b"ABORT_ACK", b"%d" % room, b"1", b"%d" % ABORT_GENERATION],
         _status(room, 0, 1, b"reason"),
     ]
+
+
+# Per kind: the frames a mutation may replace by a hostile one or delete (its numbers: any hostile
+# frame there is wrong; deleting one shifts a non-number into a number's place, or leaves too few)
+_NUMERIC = {b"AUX_DATA": (1, 2, 3, 4), b"CHUNK_READY": (1, 2, 3, 4, 6), b"STAGING_REQ": (1, 2, 3),
+            b"ABORT_ACK": (1, 2, 3), b"status": (0, 1, 2)}  # fmt: skip
+
+
+def mutated_messages(room, kv_args, aux_index, per_kind=30, seed=0) -> list[list]:
+    """`per_kind` seeded mutations of each of `valid_messages(room, aux_index, ...)`: a numeric
+    frame replaced by a hostile one or deleted, or a hostile frame appended past the frames the
+    kind takes. Aimed at a waiting room and its own aux slot, so only the guard's checks of the
+    mutated frame can drop them."""
+    rng = random.Random(seed)
     out = []
-    for template in templates:
+    for template in valid_messages(room, aux_index, kv_args):
+        numeric = _NUMERIC[template[0] if template[0] in _NUMERIC else b"status"]
         for _ in range(per_kind):
-            msg, op, at = list(template), rng.randrange(3), rng.randrange(len(template))
+            msg, op, at = list(template), rng.randrange(3), rng.choice(numeric)
             if op == 0:
                 msg[at] = rng.choice(_HOSTILE_FRAMES)
-            elif op == 1 and len(msg) > 1:
+            elif op == 1:
                 del msg[at]
             else:
                 msg.append(rng.choice(_HOSTILE_FRAMES))
@@ -249,7 +271,8 @@ def _manager(secret=None, staging=False, stock=False, aux=None):
         request_status={ROOM: KVPoll.WaitingForInput}, prefill_response_tracker={ROOM: set()},
         required_prefill_response_num_table={ROOM: 2}, failure_records={}, failure_lock=threading.Lock(),
         enable_staging=staging, _staging_handler=object() if staging else None, defer_decode_allocation=False,
-        deferred_bootstrap=None, enable_deferred_decode_kv_release=False, _deferred_abort_ack_tracker={},
+        deferred_bootstrap=None, enable_deferred_decode_kv_release=False,
+        _deferred_abort_ack_tracker={ROOM: SimpleNamespace(generation=ABORT_GENERATION, prefill_ranks=set())},
         _deferred_ack_targets={}, _deferred_ack_poisoned_rooms=set(), _staging_outstanding={},
         owned_pages_ledger=None, outgoing_manifests={}, manifest_inbox={}, room_manifests={},
         room_expectations={ROOM: RoomExpectation(4, 4, 2)}, room_nonces={ROOM: NOW}, room_aux_indices={ROOM: AUX_INDEX},
@@ -282,14 +305,22 @@ def test_every_hostile_message_gets_its_reason():
     assert decode_message_problem(_manager(), [b"7", "4", b"0"]) == "a frame that is not bytes"
 
 
-def test_mutations_of_every_kind_are_dropped():
+def test_mutations_aimed_at_a_waiting_room_are_each_dropped_by_their_own_check():
+    """The unmutated messages pass the guard (a decode without the secret, with and without
+    staging: their room is waiting, the aux slot is its own), so a mutation is dropped only if
+    the guard checks the frame it changed; the test fails for any that gets through."""
     from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import decode_message_problem
 
     aux = _AuxBuffers()
     for staging in (False, True):
-        mgr = _manager(secret=SECRET, staging=staging, aux=aux)
-        for msg in mutated_messages(ROOM + 1, aux.kv_args):
-            assert decode_message_problem(mgr, msg) is not None, (staging, msg)
+        mgr = _manager(staging=staging, aux=aux)
+        for msg in valid_messages(ROOM, AUX_INDEX, aux.kv_args):
+            problem = decode_message_problem(mgr, msg)
+            assert (problem is None) == (staging or kind(msg) not in ("CHUNK_READY", "STAGING_REQ")), (msg, problem)
+        mutations = mutated_messages(ROOM, aux.kv_args, AUX_INDEX)
+        assert len(mutations) == 150 and len({kind(m) for m in mutations}) == 5
+        for msg in mutations:
+            assert decode_message_problem(mgr, msg) is not None, f"let through (staging {staging}): {msg}"
 
 
 def test_a_shared_kv_prefill_signs_what_the_guard_checks():
@@ -312,6 +343,7 @@ def test_a_shared_kv_prefill_signs_what_the_guard_checks():
     decode = _manager(secret=SECRET)
     assert decode_message_problem(decode, msg) is None
     assert "bad MAC" in decode_message_problem(decode, msg[:3] + [b"no page lost"] + msg[4:])
+    decode.defer_decode_allocation = True  # where SGLang acts on a WaitingForInput
     assert "bad MAC" in decode_message_problem(decode, [msg[0], b"2", *msg[2:]])
     decode.room_nonces[ROOM] = b"x" * 16  # a later use of the room
     assert "a replay" in decode_message_problem(decode, msg)
@@ -387,7 +419,7 @@ def test_behind_the_guard_sglangs_decode_thread_drops_the_fuzz_and_still_commits
     aux = _AuxBuffers()
     mgr = _manager(secret=SECRET, aux=aux)
     hostile = [c.msg for c in hostile_messages(ROOM, AUX_INDEX, aux.kv_args) if c.needs in ("any", "secret")]
-    hostile += mutated_messages(ROOM + 1, aux.kv_args)
+    hostile += mutated_messages(ROOM, aux.kv_args, AUX_INDEX)
     decode = _DecodeThread(mgr)
     try:
         decode.push(hostile)
@@ -435,6 +467,274 @@ def test_without_the_guard_one_message_writes_past_the_buffer_and_one_ends_the_t
         decode.close()
 
 
+# ---- replays and limits (a second review's findings), through SGLang's receiver and decode thread ---------
+PREFILL = "127.0.0.1:8998"  # the bootstrap address the receivers name (nothing is sent to it)
+
+
+def _idle_manager(secret=None, aux=None):
+    """`_manager` with no room in flight, plus the state SGLang's receiver touches."""
+    from collections import defaultdict
+
+    mgr = _manager(secret=secret, aux=aux)
+    for table in ("request_status", "prefill_response_tracker", "required_prefill_response_num_table",
+                  "room_expectations", "room_nonces", "room_aux_indices"):  # fmt: skip
+        getattr(mgr, table).clear()
+    mgr.__dict__.update(addr_to_rooms_tracker=defaultdict(set), connection_pool={}, connection_lock=threading.Lock(),
+                        waiting_timeout=300)  # fmt: skip
+    return mgr
+
+
+def _receiver(mgr, room=ROOM, metadata=True):
+    """SGLang's receiver of the plugin for `room` on `mgr` (its real `__init__`), targeting 2 prefill
+    CP ranks (unique ranks 0 and 1) as SGLang's `init` would; with `metadata`, its real
+    `send_metadata` for 4 KV and 4 index-K pages at aux slot AUX_INDEX (no prefill to send to)."""
+    import numpy as np
+    from sglang.srt.disaggregation.base.conn import StateType
+
+    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn import OwnedPageKVReceiver
+
+    receiver = OwnedPageKVReceiver(mgr, PREFILL, room)
+    receiver.__dict__.update(
+        prefill_info=SimpleNamespace(target_tp_rank=0, target_tp_ranks=[0], target_cp_ranks=[0, 1], target_pp_ranks=[0],
+                                     pp_size=1, attn_cp_size=2),
+        required_dst_info_num=1, bootstrap_infos=[],
+    )  # fmt: skip
+    mgr.required_prefill_response_num_table[room] = 2
+    if metadata:
+        mgr.kv_args.state_types = [StateType.DSA]
+        receiver.send_metadata(np.arange(4, dtype=np.int32), AUX_INDEX, [np.arange(4, dtype=np.int32)])
+    return receiver
+
+
+def _success(rank, room=ROOM, secret=SECRET, use=None, claims_rank=None):
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import encode_manifest
+
+    claims = _claims(rank if claims_rank is None else claims_rank)
+    return _status(room, 4, rank, b"", encode_manifest(claims, room, rank, secret, uses=[use or NOW]))
+
+
+def _signed_failed(rank, use, room=ROOM, reason=b"rank 1 failed"):
+    from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import sign_status
+
+    return _status(room, 0, rank, reason, sign_status(SECRET, room, rank, 0, reason, [use]))
+
+
+def test_a_signed_failed_of_an_earlier_use_cannot_fail_a_reused_room_before_its_metadata():
+    """Finding 1: until `send_metadata` drew the room's nonce, a Failed signed for any use of the
+    room failed it: a captured one, or a late genuine one after a re-bootstrap, failed the new use
+    while it waited for memory. The receiver now draws the nonce when SGLang creates it."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = _idle_manager(secret=SECRET)
+    receiver = _receiver(mgr, metadata=False)
+    assert mgr.request_status[ROOM] == KVPoll.Bootstrapping
+    decode = _DecodeThread(mgr)
+    try:
+        decode.push([_signed_failed(1, EARLIER)])
+        _wait_for(lambda: mgr.dropped_messages.count == 1 or mgr.request_status[ROOM] == KVPoll.Failed, "the Failed")
+        assert mgr.request_status[ROOM] == KVPoll.Bootstrapping and ROOM not in mgr.failure_records, mgr.failure_records
+        assert "a replay" in mgr.dropped_messages.recent[-1][1], mgr.dropped_messages.recent
+        decode.push([_signed_failed(1, receiver.use_nonce)])  # this use's own Failed still counts
+        _wait_for(lambda: mgr.request_status[ROOM] == KVPoll.Failed, "this use's Failed")
+        assert mgr.failure_records[ROOM] == "rank 1 failed"
+    finally:
+        decode.close()
+
+
+@pytest.mark.parametrize("secret", [SECRET, None], ids=["secret", "no secret"])
+def test_a_success_replayed_within_its_use_is_dropped_and_the_room_commits(secret):
+    """Finding 2: a second copy of rank 0's genuine Success became "a second Success from prefill
+    rank 0" and failed the room. A repeat from the same rank for the same use is now dropped."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = _idle_manager(secret=secret)
+    _receiver(mgr)
+    use = mgr.room_nonces[ROOM]
+    decode = _DecodeThread(mgr)
+    try:
+        decode.push([_success(0, secret=secret, use=use)] * 2)
+        _wait_for(lambda: len(mgr.prefill_response_tracker[ROOM]) == 1 and mgr.dropped_messages.count == 1, "the two Successes")  # fmt: skip
+        decode.push([_success(1, secret=secret, use=use)])
+        _wait_for(lambda: mgr.request_status[ROOM] in (KVPoll.Success, KVPoll.Failed), "the room's outcome")
+        assert mgr.request_status[ROOM] == KVPoll.Success, mgr.failure_records
+    finally:
+        decode.close()
+
+
+@pytest.mark.parametrize("secret", [SECRET, None], ids=["secret", "no secret"])
+def test_only_the_prefill_ranks_a_room_targeted_count_toward_its_commit(secret):
+    """Finding 8: a Success from prefill rank 2 (2 % 2 == CP rank 0), which the room never
+    targeted, counted as CP rank 0's and committed the room without rank 0. It is now dropped,
+    and the room commits when rank 0 answers."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = _idle_manager(secret=secret)
+    _receiver(mgr)
+    use = mgr.room_nonces[ROOM]
+    decode = _DecodeThread(mgr)
+    try:
+        decode.push([_success(2, secret=secret, use=use, claims_rank=0), _success(1, secret=secret, use=use)])
+        _wait_for(lambda: 1 in mgr.prefill_response_tracker[ROOM], "rank 1's Success")
+        time.sleep(0.2)
+        assert mgr.request_status[ROOM] == KVPoll.Bootstrapping, (mgr.request_status[ROOM], mgr.failure_records)
+        assert "room 7 targets prefill ranks [0, 1]" in mgr.dropped_messages.recent[-1][1], mgr.dropped_messages.recent
+        decode.push([_success(0, secret=secret, use=use)])
+        _wait_for(lambda: mgr.request_status[ROOM] == KVPoll.Success, f"the commit: {mgr.failure_records}")
+    finally:
+        decode.close()
+
+
+def test_a_timeout_names_what_the_guard_dropped_for_the_room():
+    """Finding 5: the secret on the decode only ended in a timeout whose reason said the prefill
+    ranks sent nothing, though both did; the variable appeared only in the rate-limited drop log.
+    The timeout's reason now carries the room's last dropped message, which names it."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = _idle_manager(secret=SECRET)
+    receiver = _receiver(mgr)
+    receiver.abort_notified = True  # no prefill to notify
+    decode = _DecodeThread(mgr)
+    try:
+        decode.push([_success(0, secret=None, use=mgr.room_nonces[ROOM]), _success(1, secret=None, use=mgr.room_nonces[ROOM])])  # fmt: skip
+        _wait_for(lambda: mgr.dropped_messages.count == 2, "both unkeyed Successes dropped")
+    finally:
+        decode.close()
+    mgr.waiting_timeout = 0
+    assert receiver._check_waiting_timeout() == KVPoll.Failed
+    reason = mgr.failure_records[ROOM]
+    assert "no accepted transfer status from prefill rank(s) [0, 1]" in reason, reason
+    assert "the last message dropped for this room: a status claiming room 7 from prefill rank 1" in reason, reason
+    assert "SGLANG_NSA_CP_PD_SECRET" in reason, reason
+    receiver.clear()
+    assert ROOM not in mgr.dropped_messages.last_by_room and ROOM not in mgr.room_nonces
+
+
+def test_statuses_sglang_would_only_log_are_dropped(caplog):
+    """Finding 6: without the secret each Bootstrapping, Transferring or WaitingForInput status
+    (while the decode does not defer allocation) reached SGLang, which logged a warning for each:
+    10,000 messages, 10,000 lines. Dropped now, with at most one line per 10 s."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = _idle_manager()
+    _receiver(mgr)
+    statuses = [KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring] * 100
+    decode = _DecodeThread(mgr)
+    try:
+        with caplog.at_level(logging.WARNING):
+            decode.push([_status(ROOM, s, i % 2, b"") for i, s in enumerate(statuses)])
+            _wait_for(lambda: mgr.dropped_messages.count == len(statuses), f"{mgr.dropped_messages.count} dropped")
+        assert mgr.request_status[ROOM] == KVPoll.Bootstrapping
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 and "which SGLang's decode would only log" in lines[0], lines
+    finally:
+        decode.close()
+
+
+class _ReprSpy(bytes):
+    """A frame that records each repr of it (slicing one gives plain bytes)."""
+
+    reprs: list = []
+
+    def __repr__(self):
+        _ReprSpy.reprs.append(len(self))
+        return super().__repr__()
+
+
+def test_the_guard_cuts_a_frame_before_it_reprs_it():
+    """Finding 4: the guard's log took `repr` of a whole frame before cutting it to 40 characters,
+    ~10 ms of the decode thread per 1 MiB frame. It now reprs only the first 40 bytes."""
+    from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import DropLog, guard_recv
+
+    mgr, huge = _manager(), _ReprSpy(b"\xff" * (1 << 20))
+    messages = [[huge, b"4", b"0"], [b"7", b"4", huge], _aux(ROOM, 0, huge, b"x"), [b"ABORT_ACK", huge, b"1"]]
+    drops = DropLog()
+    for msg in messages:
+        assert guard_recv(mgr, lambda msg=msg: msg, drops)() is None
+    assert drops.count == len(messages) and _ReprSpy.reprs == [], _ReprSpy.reprs
+    assert "room b'\\xff\\xff" in drops.recent[0][1] and len(drops.recent[0][1]) < 100, drops.recent[0]
+
+
+def test_the_status_socket_queues_few_messages_per_connection():
+    """Finding 3: SGLang's status socket queues without limit (its RCVHWM is 0). Built through the
+    hook it queues STATUS_RCVHWM whole messages per connection; a sender past that waits."""
+    import zmq
+    from sglang.srt.utils.network import get_zmq_socket_on_host
+
+    import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as hooks
+
+    ctx = zmq.Context()
+    with hooks.limited_status_frames(4096):
+        port, pull = hooks.limit_status_frames(get_zmq_socket_on_host, ctx, zmq.PULL, host="127.0.0.1")
+    _, sglangs = hooks.limit_status_frames(get_zmq_socket_on_host, ctx, zmq.PULL, host="127.0.0.1")
+    assert pull.getsockopt(zmq.RCVHWM) == hooks.STATUS_RCVHWM and sglangs.getsockopt(zmq.RCVHWM) == 0
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 1)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    sent = 0
+    while sent < 50_000:  # nobody reads: the sender must come to a stop (after the TCP buffers fill)
+        try:
+            push.send_multipart([b"7", b"4", b"0", b"x" * 1024], flags=zmq.NOBLOCK)
+            sent += 1
+        except zmq.Again:
+            if push.poll(500, zmq.POLLOUT) == 0:
+                break
+    assert sent < 50_000, f"{sent} messages of 1 KiB queued with nobody reading"
+    got = 0
+    while pull.poll(200):
+        pull.recv_multipart()
+        got += 1
+    assert got == sent, (got, sent)
+    for sock in (push, pull, sglangs):
+        sock.close(linger=0)
+    ctx.term()
+
+
+def _metadata(room, session, nonce, destinations=1, pages=1):
+    """A decode's request metadata for `room`, built by SGLang's `build_receiver_metadata_message`
+    through the plugin's (which appends the use nonce), as decode session `session`."""
+    import numpy as np
+
+    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn import OwnedPageKVManager
+
+    decode = object.__new__(OwnedPageKVManager)
+    decode.__dict__.update(local_ip="127.0.0.1", rank_port=17001, room_nonces={room: nonce}, get_session_id=lambda: session)  # fmt: skip
+    return decode.build_receiver_metadata_message(
+        bootstrap_room=room, required_dst_info_num=destinations, kv_indices=np.arange(pages, dtype=np.int32),
+        aux_index=0, state_indices=None, decode_prefix_len=None, is_dummy=False,
+    )  # fmt: skip
+
+
+def test_what_the_metadata_channel_can_make_a_prefill_keep_is_bounded():
+    """Finding 7: SGLang's (unauthenticated) metadata channel steered the prefill's per-room nonce
+    map: 1,000 sessions in one room, a decode's nonce overwritten by a later message of its
+    session, 100k rooms held, and enough injected sessions pushed a genuine manifest past the
+    decode's size limit. Now a room holds at most the destinations its metadata declared, a
+    session's first nonce stays, at most MAX_NOTED_ROOMS rooms are held, and the decode's limit
+    counts the nonces of its own destinations."""
+    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake import conn
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import decode_manifest, encode_manifest
+
+    prefill = object.__new__(conn.OwnedPageKVManager)
+    prefill.destination_nonces = {}
+    prefill._note_use_nonce(_metadata(ROOM, "decode:1", NOW))
+    prefill._note_use_nonce(_metadata(ROOM, "decode:1", EARLIER))  # the same session again
+    for i in range(1000):
+        prefill._note_use_nonce(_metadata(ROOM, f"injected:{i}", b"%016d" % i))
+    assert dict(prefill.destination_nonces[ROOM]) == {"decode:1": NOW}
+    frame = encode_manifest(_claims(1, 1), ROOM, 1, SECRET, uses=prefill.destination_nonces[ROOM].values())
+    decode_manifest(frame, room=ROOM, prefill_rank=1, secret=SECRET, max_pages=1, use=NOW, max_uses=1)
+    # a room of 256 pages and 8 decode destinations (decode TP 8 over prefill TP 1): all 8 fit
+    for d in range(8):
+        prefill._note_use_nonce(_metadata(ROOM + 1, f"decode:{d}", b"%016d" % d, destinations=8, pages=256))
+    claims = _claims(1, 256)
+    frame = encode_manifest(claims, ROOM + 1, 1, SECRET, uses=prefill.destination_nonces[ROOM + 1].values())
+    decode_manifest(frame, room=ROOM + 1, prefill_rank=1, secret=SECRET, max_pages=256, use=b"%016d" % 7, max_uses=8)
+    template = _metadata(0, "decode:1", NOW)
+    for room in range(100, 100 + conn.MAX_NOTED_ROOMS + 100):
+        prefill._note_use_nonce([b"%d" % room, *template[1:]])
+    assert len(prefill.destination_nonces) == conn.MAX_NOTED_ROOMS and ROOM not in prefill.destination_nonces
+
+
 # ---- the real thing: the owned-page PD harness ------------------------------------------------
 def fuzz_status_socket(mgr, room) -> dict:
     """Runs in the harness's decode process right after `room`'s metadata went out (its pages
@@ -447,7 +747,7 @@ def fuzz_status_socket(mgr, room) -> dict:
     slots = [bytes((ctypes.c_char * n).from_address(p)) for p, n in zip(args.aux_data_ptrs, args.aux_data_lens)]
     pages, use = mgr.room_expectations[room].kv_pages, mgr.room_nonces[room]
     cases = [c for c in hostile_messages(room, mgr.room_aux_indices[room], args, pages, use) if c.needs != "staging"]
-    hostile = [c.msg for c in cases] + mutated_messages(room + 10**6, args)
+    hostile = [c.msg for c in cases] + mutated_messages(room, args, mgr.room_aux_indices[room])
     before = mgr.dropped_messages.count
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)

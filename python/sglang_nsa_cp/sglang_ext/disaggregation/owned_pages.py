@@ -48,6 +48,7 @@ MANIFEST_TAG = b"nsa-cp-owned-pages/4 "
 # prefill puts into its manifests (a stock SGLang 0.5.23 prefill reads frames 0-9 and ignores it).
 USE_NONCE_TAG = b"nsa-cp-use/1 "
 USE_NONCE_BYTES = 16
+MAX_USES = 1024  # decode destinations of one room (SGLang's required_dst_info_num: decode TP / prefill TP)
 _SHOWN = 16
 
 
@@ -221,10 +222,11 @@ def pool_pages(kv_args) -> int:
     return max((n // max(i, 1) for n, i in zip(kv_args.kv_data_lens, kv_args.kv_item_lens)), default=0)
 
 
-def max_manifest_bytes(num_pages: int) -> int:
-    """The largest frame a manifest of a `num_pages`-page request needs: 4 lists of at most
-    `num_pages` ints (9 msgpack bytes each at most), the MAC and a few hundred bytes."""
-    return 1024 + 36 * min(num_pages, MAX_REQUEST_PAGES)
+def max_manifest_bytes(num_pages: int, uses: int = 1) -> int:
+    """The largest frame a manifest of a `num_pages`-page request with `uses` decode destinations
+    needs: 4 lists of at most `num_pages` ints (9 msgpack bytes each at most), a nonce of 18
+    msgpack bytes per destination, the MAC and a few hundred bytes."""
+    return 1024 + 36 * min(num_pages, MAX_REQUEST_PAGES) + (USE_NONCE_BYTES + 2) * min(uses, MAX_USES)
 
 
 def encode_manifest(
@@ -247,18 +249,27 @@ class ManifestOfAnotherUse(UnauthenticatedManifest):
 
 
 def decode_manifest(
-    frame: bytes, *, room: int, prefill_rank: int, secret: Optional[bytes], max_pages: int, use: Optional[bytes] = None
+    frame: bytes,
+    *,
+    room: int,
+    prefill_rank: int,
+    secret: Optional[bytes],
+    max_pages: int,
+    use: Optional[bytes] = None,
+    max_uses: int = 1,
 ) -> RankClaims:
     """The claims in `frame`; ValueError (bounded text) names what is wrong,
     UnauthenticatedManifest when the frame fails before its MAC checked out, ManifestOfAnotherUse
     when it does not list `use` (this decode's nonce for the room). The frame's size is checked
-    against `max_pages` (the decode's own request) and its MAC before anything parses it."""
+    against `max_pages` and `max_uses` (the decode's own request: its pages and destinations) and
+    its MAC before anything parses it."""
     if not frame.startswith(MANIFEST_TAG):
         raise UnauthenticatedManifest("not an owned-page manifest frame")
-    limit = max_manifest_bytes(max_pages)
+    limit = max_manifest_bytes(max_pages, max_uses)
     if len(frame) > limit:
         raise UnauthenticatedManifest(
-            f"a manifest frame of {len(frame)} B, more than the {limit} B a request of {max_pages} pages needs"
+            f"a manifest frame of {len(frame)} B, more than the {limit} B a request of {max_pages} pages "
+            f"and {max_uses} decode destination(s) needs"
         )
     head = len(MANIFEST_TAG)
     mac_len = frame[head] if len(frame) > head else -1
@@ -296,6 +307,8 @@ class RoomExpectation:
     kv_pages: int  # destination pages of the KV latent
     index_pages: Optional[int]  # destination pages of the index-K (DSA state); None if none sent
     cp_size: int  # the prefill CP size the decode targets
+    prefill_ranks: Optional[tuple[int, ...]] = None  # unique ranks it sent its metadata to (None: unknown)
+    uses: int = 1  # decode destinations of the room (SGLang's required_dst_info_num), each with a nonce
 
     @property
     def max_pages(self) -> int:

@@ -11,9 +11,13 @@ rest (docs/upstream.md, item 7)::
     anything else  parse_kv_status_message         [room, status, rank, reason?, manifest?, signature?]
 
 A message with a problem is dropped as if never sent and logged at most once per 10 s
-(`DropLog`; a late status of a room no longer waiting only at debug level, as SGLang does). With
+(`DropLog`; a late status of a room no longer waiting only at debug level, as SGLang does; the
+last drop of a waiting room goes into its timeout's reason). A status counts only for a waiting
+room, from a prefill rank the room targeted, and only if SGLang acts on it (Success, Failed, and
+WaitingForInput under deferred allocation; the rest it would only log). With
 SGLANG_NSA_CP_PD_SECRET a Success must carry a valid manifest and any other status a valid
-`sign_status` signature. Not authenticated: ABORT_ACK, and AUX_DATA at its own room's slot.
+`sign_status` signature, both bound to this use of the room. Not authenticated (shape and bounds
+only): ABORT_ACK, AUX_DATA at its own room's slot, and with staging CHUNK_READY and STAGING_REQ.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from sglang_nsa_cp.disagg import auth
 from sglang_nsa_cp.disagg.manifest import cut
 from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import (
     MANIFEST_TAG,
+    MAX_USES,
     USE_NONCE_BYTES,
     ManifestOfAnotherUse,
     UnauthenticatedManifest,
@@ -49,9 +54,8 @@ PREFILL_RANKS = 1 << 16  # unique ranks (tp x pp x cp) of one prefill instance, 
 MAX_DIGITS = 20
 MAX_ID_BYTES = 256  # a staging writer or session id
 MAX_REASON_BYTES = 16 << 10  # SGLang's and the plugin's reasons are a few hundred bytes
-MAX_USES = 1024  # decode destinations of one room
 STATUS_NAMES = {getattr(KVPoll, name): name for name in vars(KVPoll) if not name.startswith("_")}
-SUCCESS = KVPoll.Success
+SUCCESS, FAILED, WAITING = KVPoll.Success, KVPoll.Failed, KVPoll.WaitingForInput
 
 
 class _Drop(Exception):
@@ -69,9 +73,9 @@ class LateStatus(str):
 
 
 def _show(frame) -> str:
-    if isinstance(frame, bytes) and frame.isdigit() and len(frame) <= MAX_DIGITS:
+    if isinstance(frame, bytes) and len(frame) <= MAX_DIGITS and frame.isdigit():
         return frame.decode()
-    return cut(repr(frame), 40)
+    return cut(repr(frame[:40]), 40)  # cut first: repr of a 1 MiB frame costs ~10 ms of the decode thread
 
 
 def _frames(msg, what: str, low: int, high: int) -> None:
@@ -168,12 +172,17 @@ def _staging_req(mgr, msg) -> None:
 
 
 def _abort_ack(mgr, msg) -> None:
-    """[ABORT_ACK, room, prefill rank, generation?] (`AbortAck.to_zmq`)."""
+    """[ABORT_ACK, room, prefill rank, generation?] (`AbortAck.to_zmq`), which SGLang counts only
+    for the generation of a room it holds for an abort (`note_abort_ack`)."""
     _frames(msg, "ABORT_ACK", 3, 4)
-    _number(msg[1], "room", ROOMS)
+    room = _number(msg[1], "room", ROOMS)
     _number(msg[2], "prefill rank", PREFILL_RANKS)
-    if len(msg) > 3:
-        _number(msg[3], "generation", 1 << 63)
+    generation = _number(msg[3], "generation", 1 << 63) if len(msg) > 3 else None
+    held = mgr._deferred_abort_ack_tracker.get(room)
+    if held is None or generation != held.generation:
+        # also what a real rank's ack looks like after SGLang released the room: debug level only
+        raise _Drop(f"ABORT_ACK of generation {generation} for room {room}, which this decode does not hold for "
+                    "that abort", late=True)  # fmt: skip
 
 
 def _status(mgr, msg) -> None:
@@ -202,13 +211,21 @@ def _status(mgr, msg) -> None:
         raise _Drop(f"a manifest on a {name} status")
     if room not in mgr.request_status:
         raise _Drop(f"a {name} status for room {room}, which is not waiting on this decode", late=True)
+    if status not in (SUCCESS, FAILED) and not (status == WAITING and mgr.defer_decode_allocation):
+        raise _Drop(f"a {name} status, which SGLang's decode would only log (it acts on Success and Failed)")
+    targeted = getattr(mgr.room_expectations.get(room), "prefill_ranks", None)
+    if targeted is not None and rank not in targeted:
+        raise _Drop(f"a {name} status from prefill rank {rank}; room {room} targets prefill ranks {list(targeted)}")
     if mgr.pd_secret is not None:
         _authenticate(mgr, room, status, rank, reason, manifest, signature)
 
 
 def _authenticate(mgr, room, status, rank, reason, manifest, signature) -> None:
-    """With the secret: a Success by its manifest, anything else by its status signature."""
+    """With the secret: a Success by its manifest, anything else by its status signature, each
+    bound to this use of the room (its receiver drew the nonce before the room started waiting)."""
     use = mgr.room_nonces.get(room)
+    if use is None:
+        raise _Drop(f"a {STATUS_NAMES[status]} status for room {room}, of which this decode knows no use")
     if status != SUCCESS:
         if signature is None:
             raise _Drop(
@@ -226,7 +243,13 @@ def _authenticate(mgr, room, status, rank, reason, manifest, signature) -> None:
         raise _Drop("a Success without an owned-page manifest")
     try:
         decode_manifest(
-            manifest, room=room, prefill_rank=rank, secret=mgr.pd_secret, max_pages=expected.max_pages, use=use
+            manifest,
+            room=room,
+            prefill_rank=rank,
+            secret=mgr.pd_secret,
+            max_pages=expected.max_pages,
+            use=use,
+            max_uses=expected.uses,
         )
     except ManifestOfAnotherUse as e:
         raise _Drop(f"a replay: {e}") from None
@@ -270,18 +293,33 @@ def claimed_origin(msg) -> str:
         return "an unreadable message"
 
 
+def claimed_room(msg) -> int | None:
+    """The room a message names, if it names one as a decimal, else None (not proof either)."""
+    kind = msg[0] if msg and msg[0] in _ORIGIN else b""
+    at = _ORIGIN.get(kind, (0, 2))[0]
+    frame = msg[at] if at < len(msg) else b""
+    if isinstance(frame, bytes) and len(frame) <= MAX_DIGITS and frame.isdigit():
+        return int(frame)
+    return None
+
+
 class DropLog:
-    """The messages a decode's guard dropped: a count, the last few (origin, reason), and at most
-    one warning line per `interval_s` however many come (a `LateStatus` only at debug level)."""
+    """The messages a decode's guard dropped: a count, the last few (origin, reason), the last
+    one of each room still waiting (for its timeout's reason), and at most one warning line per
+    `interval_s` however many come (a `LateStatus` only at debug level)."""
 
     def __init__(self, interval_s: float = 10.0, clock=time.monotonic):
         self.count = 0
         self.recent = deque(maxlen=64)
+        self.last_by_room = {}  # room waiting on the decode -> "origin: reason"; its receiver forgets it
         self.interval_s, self._clock, self._last_line = interval_s, clock, None
 
-    def note(self, origin: str, reason: str) -> None:
+    def note(self, origin: str, reason: str, room: int | None = None) -> None:
+        """`room`: a room waiting on the decode whose message this was (None: none or unknown)."""
         self.count += 1
         self.recent.append((origin, reason))
+        if room is not None:
+            self.last_by_room[room] = f"{origin}: {reason}"
         if isinstance(reason, LateStatus):
             logger.debug("dropped %s: %s", origin, reason)
             return
@@ -308,7 +346,8 @@ def guard_recv(mgr, recv, drops: DropLog):
         problem = decode_message_problem(mgr, msg)
         if problem is None:
             return msg
-        drops.note(claimed_origin(msg), problem)
+        room = claimed_room(msg)
+        drops.note(claimed_origin(msg), problem, room if room in mgr.request_status else None)
         return None
 
     return recv_checked

@@ -1,11 +1,17 @@
-"""The decode's status socket with a frame-size limit. Mirrors
+"""The decode's status socket with a frame-size limit and a short receive queue. Mirrors
 `sglang/srt/disaggregation/common/conn.py`.
 
 Target: `get_zmq_socket_on_host` (AROUND), as `CommonKVManager.__init__` calls it to bind the
 manager's status socket. While a decode manager of the plugin is being built
-(`limited_status_frames`, `../mooncake/conn.py`), that socket gets ZMQ_MAXMSGSIZE before it binds
-(libzmq copies options to a listener at bind time, so setting it later does nothing): a larger
-frame closes the connection that sent it before anyone parses it. Every other call passes through.
+(`limited_status_frames`, `../mooncake/conn.py`), that socket gets, before it binds (libzmq copies
+options to a listener at bind time, so setting them later does nothing):
+- ZMQ_MAXMSGSIZE: a larger frame closes the connection that sent it before anyone parses it;
+- ZMQ_RCVHWM = STATUS_RCVHWM instead of SGLang's 0 (unlimited): each connection queues at most
+  that many whole messages here; a sender past it waits (SGLang's PUSH sockets have no send
+  limit, so a genuine prefill's statuses queue on its own side, none is lost).
+What neither bounds: the frames of one message (ZMQ has no such limit), so one message is
+received whole, at up to MAXMSGSIZE a frame, before the guard sees it (docs/disagg.md, "Size
+limits"). Every other call passes through.
 """
 
 from __future__ import annotations
@@ -13,13 +19,16 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 
+import zmq
+
+STATUS_RCVHWM = 64  # whole messages queued per connection on the decode's status socket
 _STATUS_FRAME_LIMIT = threading.local()  # MAXMSGSIZE for the status socket SGLang is creating
 
 
 @contextmanager
 def limited_status_frames(limit: int):
     """Within this block, sockets this thread's `get_zmq_socket_on_host` calls bind refuse frames
-    over `limit` bytes."""
+    over `limit` bytes and queue at most STATUS_RCVHWM messages per connection."""
     _STATUS_FRAME_LIMIT.bytes = limit
     try:
         yield
@@ -27,15 +36,41 @@ def limited_status_frames(limit: int):
         _STATUS_FRAME_LIMIT.bytes = None
 
 
+class _ShortQueueSocket(zmq.Socket):
+    """A socket whose RCVHWM never exceeds STATUS_RCVHWM (SGLang's `config_socket` sets 0,
+    unlimited, between creating and binding it)."""
+
+    def setsockopt(self, option, value):
+        if option == zmq.RCVHWM and not 0 < value <= STATUS_RCVHWM:
+            value = STATUS_RCVHWM
+        return super().setsockopt(option, value)
+
+
+class _ShortQueueContext:
+    """The manager's context, whose `.socket` (all `get_zmq_socket_on_host` calls on it) makes a
+    `_ShortQueueSocket`; everything else is the context's."""
+
+    def __init__(self, context):
+        self._context = context
+
+    def __getattr__(self, name):
+        return getattr(self._context, name)
+
+    def socket(self, socket_type, **kwargs):
+        kwargs.setdefault("socket_class", _ShortQueueSocket)
+        sock = self._context.socket(socket_type, **kwargs)
+        sock.setsockopt(zmq.RCVHWM, STATUS_RCVHWM)
+        return sock
+
+
 def limit_status_frames(original, context, socket_type, *args, **kwargs):
     """AROUND `get_zmq_socket_on_host`."""
     limit = getattr(_STATUS_FRAME_LIMIT, "bytes", None)
     if limit is None:
         return original(context, socket_type, *args, **kwargs)
-    import zmq
-
     context.setsockopt(zmq.MAXMSGSIZE, limit)  # the default of sockets this context makes next
     try:
-        return original(context, socket_type, *args, **kwargs)
+        short = context if isinstance(context, _ShortQueueContext) else _ShortQueueContext(context)
+        return original(short, socket_type, *args, **kwargs)
     finally:
         context.sockopts.pop(zmq.MAXMSGSIZE, None)

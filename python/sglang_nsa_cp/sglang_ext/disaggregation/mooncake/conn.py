@@ -25,10 +25,13 @@ from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, MooncakeK
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_nsa_cp.disagg import auth
+from sglang_nsa_cp.disagg.listeners import exposure
 from sglang_nsa_cp.disagg.manifest import cut
+from sglang_nsa_cp.envs import envs
 from sglang_nsa_cp.sglang_ext.disaggregation.common.conn import limited_status_frames
 from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import (
     MANIFEST_TAG,
+    MAX_USES,
     USE_NONCE_BYTES,
     USE_NONCE_TAG,
     ManifestOfAnotherUse,
@@ -58,6 +61,17 @@ def _positions(index_slice) -> np.ndarray:
     return np.asarray(index_slice, dtype=np.int64)
 
 
+MAX_NOTED_ROOMS = 1 << 16  # rooms whose decode nonces a prefill holds (~30 MiB at most)
+
+
+class _Uses(dict):
+    """A room's decode sessions -> the nonce of their use of the room, at most `limit` of them."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+
+
 class _Unauthenticated(str):
     """Why a status's manifest frame did not authenticate (with the secret) or answers another
     use of its room (with or without): such a status is dropped as if it never came, so a forged
@@ -82,6 +96,16 @@ def _warn_once_if_unprotected(mode, secret) -> None:
             auth.SGLANG_NSA_CP_PD_SECRET.name,
             _UNPROTECTED[mode],
         )
+
+
+def _warn_once_if_mooncake_unconfined() -> None:
+    """One line per process when a decode with the plugin starts (no flag there, so no start-up
+    refusal as on a shared-KV prefill) while its deployer has not said Mooncake's ports, open on
+    every interface whatever the configured host, are confined to the PD peers."""
+    confined = envs.SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED
+    if "mooncake" not in _warned_unprotected and not confined.get() and (problem := exposure(confined.name)):
+        _warned_unprotected.add("mooncake")
+        logger.warning("owned-page PD decode: %s", problem)
 
 
 class OwnedPageKVManager(MooncakeKVManager):
@@ -114,7 +138,8 @@ class OwnedPageKVManager(MooncakeKVManager):
         # Decode: status messages carry manifests of at most the pool's pages; nothing SGLang
         # sends to this socket comes near 1 MiB.
         _warn_once_if_unprotected(disaggregation_mode, self.pd_secret)
-        with limited_status_frames((1 << 20) + max_manifest_bytes(pool_pages(args))):
+        _warn_once_if_mooncake_unconfined()
+        with limited_status_frames((1 << 20) + max_manifest_bytes(pool_pages(args), MAX_USES)):
             super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
 
     def _make_worker_recv(self, socket, timeout_ms=500):
@@ -140,16 +165,26 @@ class OwnedPageKVManager(MooncakeKVManager):
 
     # ---- prefill side ----------------------------------------------------------------------------
     def _note_use_nonce(self, msg) -> None:
-        """[room, endpoint, port, session, ..., USE_NONCE_TAG + nonce] from a decode's
-        `build_receiver_metadata_message`; anything else is left to SGLang."""
+        """[room, endpoint, port, session, ..., required destinations, ..., USE_NONCE_TAG + nonce]
+        from a decode's `build_receiver_metadata_message`; anything else is left to SGLang. A
+        session's first nonce stays (a later one for the same session is ignored), a room holds at
+        most the destinations its first metadata declared, and at most MAX_NOTED_ROOMS rooms are
+        held (the oldest goes): SGLang's metadata channel is unauthenticated, so these bound what
+        anyone who reaches it can make the prefill keep and put into the room's manifests."""
         nonce = msg[-1] if len(msg) > 10 else b""
         if not (nonce.startswith(USE_NONCE_TAG) and len(nonce) == len(USE_NONCE_TAG) + USE_NONCE_BYTES):
             return
         try:
-            room, session = int(msg[0].decode("ascii")), msg[3].decode("ascii")
+            room, session, declared = int(msg[0].decode("ascii")), msg[3].decode("ascii"), int(msg[7])
         except (UnicodeDecodeError, ValueError):
             return
-        self.destination_nonces.setdefault(room, {})[session] = nonce[len(USE_NONCE_TAG) :]
+        uses = self.destination_nonces.get(room)
+        if uses is None:
+            if len(self.destination_nonces) >= MAX_NOTED_ROOMS:
+                self.destination_nonces.pop(next(iter(self.destination_nonces)))
+            uses = self.destination_nonces[room] = _Uses(max(1, min(declared, MAX_USES)))
+        if session not in uses and len(uses) < uses.limit:
+            uses[session] = nonce[len(USE_NONCE_TAG) :]
 
     def add_transfer_request(
         self,
@@ -298,6 +333,7 @@ class OwnedPageKVManager(MooncakeKVManager):
                     secret=self.pd_secret,
                     max_pages=expected.max_pages,
                     use=self.room_nonces.get(room),
+                    max_uses=expected.uses,
                 )
             except UnauthenticatedManifest as e:
                 other_use = isinstance(e, ManifestOfAnotherUse)
@@ -325,13 +361,14 @@ class OwnedPageKVManager(MooncakeKVManager):
         current = self.request_status.get(bootstrap_room)
         if status != KVPoll.Success or current in (None, KVPoll.Success, KVPoll.Failed) or responders is None:
             return apply(status, failure_reason)  # not a Success, or the room is already decided
+        origin = f"Success of room {bootstrap_room} from prefill rank {prefill_rank}"
         if isinstance(manifest, _Unauthenticated) or (keyed and manifest is None):
             why = manifest or "no owned-page manifest frame"
-            return self.dropped_messages.note(f"Success of room {bootstrap_room} from prefill rank {prefill_rank}", why)
+            return self.dropped_messages.note(origin, why, bootstrap_room)
+        if prefill_rank in self.room_manifests.get(bootstrap_room, ()):  # a replay within this use
+            return self.dropped_messages.note(origin, "a second Success from that rank for this use", bootstrap_room)
         if manifest is not None or keyed:
             room_manifests = self.room_manifests.setdefault(bootstrap_room, {})
-            if prefill_rank in room_manifests:
-                manifest = f"a second Success from prefill rank {prefill_rank}"
             if manifest is not None:
                 room_manifests[prefill_rank] = manifest
         room_manifests = self.room_manifests.get(bootstrap_room)
@@ -353,6 +390,7 @@ class OwnedPageKVManager(MooncakeKVManager):
 
     def forget_room(self, room: int) -> None:
         """Drop what the decode recorded for a room (its receiver is cleared)."""
+        self.dropped_messages.last_by_room.pop(room, None)
         self.room_manifests.pop(room, None)
         self.room_expectations.pop(room, None)
         self.room_nonces.pop(room, None)
@@ -383,12 +421,15 @@ class OwnedPageKVSender(MooncakeKVSender):
                 self.kv_mgr.destination_nonces.pop(self.bootstrap_room, None)
 
 
-def _expected_prefill_ranks(receiver) -> list[int]:
-    """Prefill unique ranks (`CommonKVManager._prefill_unique_rank`) a receiver waits for."""
+def _expected_prefill_ranks(receiver, every_tp_rank: bool = False) -> list[int]:
+    """Prefill unique ranks (`CommonKVManager._prefill_unique_rank`) a receiver waits for (with
+    `every_tp_rank`: every rank it sends its metadata to, dummy TP ranks included)."""
     info = getattr(receiver, "prefill_info", None)
     if info is None or info.target_cp_ranks is None:
         return []
-    tp_ranks = [info.target_tp_rank] if info.target_tp_rank is not None else list(info.target_tp_ranks or [])
+    tp_ranks = list(info.target_tp_ranks or [])
+    if info.target_tp_rank is not None and not (every_tp_rank and tp_ranks):
+        tp_ranks = [info.target_tp_rank]
     return sorted(
         tp * (info.pp_size * info.attn_cp_size) + pp * info.attn_cp_size + cp
         for tp in tp_ranks
@@ -400,46 +441,62 @@ def _expected_prefill_ranks(receiver) -> list[int]:
 class OwnedPageKVReceiver(MooncakeKVReceiver):
     """SGLang's Mooncake receiver, recording what it asks for so the manifests can be checked."""
 
+    def __init__(self, mgr, bootstrap_addr, bootstrap_room=None, *args, **kwargs):
+        """Draws the nonce of this use of the room before SGLang marks the room waiting: a status
+        signed for an earlier use (a replay, or a late one after a re-bootstrap) never matches it,
+        even before `send_metadata`. A receiver SGLang refuses (deferred allocation, room already
+        held) leaves the holder's nonce alone."""
+        self.use_nonce = os.urandom(USE_NONCE_BYTES)
+        if not (mgr.defer_decode_allocation and bootstrap_room in mgr.request_status):
+            mgr.room_nonces[bootstrap_room] = self.use_nonce
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, *args, **kwargs)
+
     def send_metadata(self, kv_indices, aux_index=None, state_indices=None, *args, **kwargs):
         """Remember what this decode asks for in the room (destination pages of each kind, the
-        prefill CP size it targets) before asking, so a status that answers at once is checked
-        against it."""
+        prefill CP size and ranks it targets, its destinations) before asking, so a status that
+        answers at once is checked against it."""
         info = getattr(self, "prefill_info", None)
         if info is not None and info.attn_cp_size:
             types = list(getattr(self.kv_mgr.kv_args, "state_types", []) or [])
             dsa = [s for i, s in enumerate(state_indices or []) if i < len(types) and types[i] == StateType.DSA]
             index_pages = len(dsa[0]) if dsa and dsa[0] is not None else None
             self.kv_mgr.room_expectations[self.bootstrap_room] = RoomExpectation(
-                len(kv_indices), index_pages, int(info.attn_cp_size)
+                len(kv_indices),
+                index_pages,
+                int(info.attn_cp_size),
+                prefill_ranks=tuple(_expected_prefill_ranks(self, every_tp_rank=True)) or None,
+                uses=max(1, int(getattr(self, "required_dst_info_num", None) or 1)),
             )
-        self.kv_mgr.room_nonces[self.bootstrap_room] = os.urandom(USE_NONCE_BYTES)  # this use of the room
         if aux_index is not None:  # the one slot a prefill may write this room's metadata to
             self.kv_mgr.room_aux_indices[self.bootstrap_room] = int(aux_index)
         return super().send_metadata(kv_indices, aux_index, state_indices, *args, **kwargs)
 
     def _check_waiting_timeout(self):
-        """A room that times out names the prefill ranks whose status never came (the reason
-        only; the outcome is SGLang's)."""
+        """A room that times out names the prefill ranks whose status never came through and the
+        last message the guard dropped for it (the reason only; the outcome is SGLang's)."""
         result = super()._check_waiting_timeout()
         if result == KVPoll.Failed:
             mgr, room = self.kv_mgr, self.bootstrap_room
             expected = _expected_prefill_ranks(self)
             done = mgr.prefill_response_tracker.get(room) or set()
             silent = [r for r in expected if r not in done]
-            if len(expected) > 1 and silent:
-                with mgr.failure_lock:
-                    reason = mgr.failure_records.get(room, "timed out")
-                    mgr.failure_records[room] = (
-                        f"{reason}; no transfer status from prefill rank(s) {silent} "
-                        f"(success from {sorted(done)} of {expected})"
-                    )
+            dropped = mgr.dropped_messages.last_by_room.get(room)
+            with mgr.failure_lock:
+                reason = mgr.failure_records.get(room, "timed out")
+                if len(expected) > 1 and silent:
+                    reason += f"; no accepted transfer status from prefill rank(s) {silent} (success from {sorted(done)} of {expected})"  # fmt: skip
+                if dropped is not None:
+                    reason += f"; the last message dropped for this room: {dropped}"
+                mgr.failure_records[room] = reason
             mgr.room_manifests.pop(room, None)
         return result
 
     def _clear(self):
-        """Drop the room's manifests and expectation too."""
+        """Drop the room's manifests and expectation too, unless a later receiver holds the room."""
         room = self.bootstrap_room
         try:
             return super()._clear()
         finally:
-            self.kv_mgr.forget_room(room)
+            mine = getattr(self, "use_nonce", None)
+            if self.kv_mgr.room_nonces.get(room, mine) is mine:
+                self.kv_mgr.forget_room(room)
