@@ -13,7 +13,8 @@ SGLang's own `PageInterleaveDSATokenToKVPool` (fp8 KV, one layer, the chunk's pl
 - sglang: SGLang's `set_mla_kv_buffer` on that pool (`quantize_k_cache_separate` for the
   scratch, again for the owned rows, and its Triton row stores: its JIT row store is not built
   on the GPU machine, as in the GPU forward harness);
-- copy: a device-to-device copy of as many bytes as the fused store moves.
+- copy: a device-to-device copy whose reads plus writes equal the bytes the fused store reads plus
+  writes (it copies half of them: a copy of N bytes moves 2N).
 Both writes give the same bytes (checked first, from poisoned scratch and shard). A time is the
 median of --iters CUDA-event runs after --warmup calls, L2 flushed before each; the whole table
 is measured --repeats times and each cell is the median over repeats with its min-max spread.
@@ -179,7 +180,7 @@ class Timer:
 
 def measure(case: dict, timer: Timer, device: torch.device) -> dict:
     fused_us, sglang_us = timer.us(case["fused"]), timer.us(case["sglang"])
-    copy_us = timer.copy_us(case["moved_bytes"], device)
+    copy_us = timer.copy_us(case["moved_bytes"] // 2, device)  # the same traffic as the fused store
     return dict(fused_us=fused_us, sglang_us=sglang_us, copy_us=copy_us, of_copy=copy_us / fused_us,
                 speedup=sglang_us / fused_us)  # fmt: skip
 

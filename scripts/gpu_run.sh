@@ -7,8 +7,8 @@
 #   bash scripts/gpu_run.sh server [scripts/sglang_server_check.py arguments...]
 #
 # `server` starts SGLang's real servers with the flag on this GPU (docs/sglang_gpu_server.md) and
-# checks them over HTTP against a non-CP oracle; with no arguments, bf16 and fp8 KV at CP 2 and 4
-# and a 100k-token prompt that only the shared-KV prefill can hold.
+# checks them over HTTP against a non-CP oracle; by default bf16 and fp8 KV at CP 2 and 4 and a
+# 100k-token prompt that only the shared-KV prefill can hold (arguments add to or change that).
 #
 # `tests` runs the GPU suite, nsa-cp-test-1-gpu-h200 (SGLang's forward over NCCL, the sharded pool
 # gathering history with SGLang's PyNccl communicator; a GPU per rank where there are enough, else
@@ -29,7 +29,6 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 source scripts/gpu_unpack.sh /tmp/site >/dev/null || exit 1
 python3 scripts/check_gpu_imports.py >"$out/imports.log" 2>&1 || { tail -30 "$out/imports.log"; exit 1; }
 if [ "$what" = server ]; then
-  [ $# -gt 0 ] || set -- --configs bfloat16:2 bfloat16:4 fp8_e4m3:2 fp8_e4m3:4 --long-prompt 100000
   python3 scripts/sglang_server_check.py --device cuda --out "$out" "$@" 2>&1 | tee "$out/sglang_server_check.log" | tail -60
   exit "${PIPESTATUS[0]}"
 fi

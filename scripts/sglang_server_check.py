@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test"))
 
 NEW_TOKENS = 6
+GPU_CONFIGS = ["bfloat16:2", "bfloat16:4", "fp8_e4m3:2", "fp8_e4m3:4"]
 
 
 def _three_paths(cluster, S, ids, new_tokens=NEW_TOKENS, timeout_s=300):
@@ -151,8 +152,6 @@ def run_config(result: dict, args) -> None:
     else:
         from helpers import sglang_servers as S
 
-        if (kv, cp) != ("bfloat16", S.CP):
-            raise SystemExit(f"--device cpu runs bfloat16:{S.CP} only (the CPU servers' roles); got {kv}:{cp}")
         cluster = S.Cluster(Path(tempfile.mkdtemp(prefix="srv_cpu_")))
         page, chunk, per_rank = S.PAGE, S.CHUNK_TOKENS, S.MAX_TOTAL_TOKENS
         context = S.MODEL["max_position_embeddings"]
@@ -209,18 +208,24 @@ def print_table(results: list[dict]) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--configs", nargs="+", default=["bfloat16:2"], help="KV_DTYPE:CP, e.g. fp8_e4m3:4")
-    p.add_argument("--long-prompt", type=int, default=0, help="tokens of the long prompt (GPU; 0: none)")
+    p.add_argument("--configs", nargs="+", help="KV_DTYPE:CP, e.g. fp8_e4m3:4 (default: bf16 and fp8 at CP 2 and 4 "
+                   "on cuda, bfloat16:2 on cpu)")  # fmt: skip
+    p.add_argument("--long-prompt", type=int, help="tokens of the long prompt (cuda only; default 100000; 0: none)")
     p.add_argument("--startup-timeout-s", type=float, default=400)
     p.add_argument("--deadline-s", type=float, default=3000, help="report what finished by then, and stop")
     p.add_argument("--out", default="benchmark/results")
     args = p.parse_args(argv)
+    gpu = args.device == "cuda"
+    args.configs = args.configs or (GPU_CONFIGS if gpu else ["bfloat16:2"])
+    args.long_prompt = (100_000 if gpu else 0) if args.long_prompt is None else args.long_prompt
     configs = []
     for c in args.configs:
         kv, _, cp = c.partition(":")
         if kv not in ("bfloat16", "fp8_e4m3") or not cp.isdigit() or int(cp) < 2:
             p.error(f"--configs {c!r}: expected bfloat16:N or fp8_e4m3:N with N >= 2")
         configs.append((kv, int(cp)))
+    if not gpu and configs != [("bfloat16", 2)]:
+        p.error(f"--device cpu runs bfloat16:2 only (the CPU servers' roles), got {' '.join(args.configs)}")
     t0 = time.monotonic()
     # the clusters write their tokenizers in parallel threads: transformers' lazy import is not thread-safe
     from transformers import PreTrainedTokenizerFast  # noqa: F401

@@ -37,10 +37,10 @@ CHECKED_BUILDS: dict[tuple[str, str], str] = {
     ("mooncake-transfer-engine-non-cuda", "0.3.13.post1"): "CPU CI: the handshake/RPC listener on 0.0.0.0, "
     "the TCP data listener on [::], with host 127.0.0.1 and with every setting of NON_BINDING_SETTINGS, while the "
     "log says 'RPC using P2P handshake, listening on 127.0.0.1:PORT'",
-    ("mooncake-transfer-engine-cuda13", "0.3.14"): "one H200 (the wheel a CUDA 13 node installs), as a second "
-    "review found it: RPC listener on 0.0.0.0, TCP data listener on [::], with or without "
-    "MC_TCP_BIND_ADDRESS=127.0.0.1, while the log says 'RPC using P2P handshake, listening on 127.0.0.1:PORT'; "
-    "test_listeners.py on that machine confirms the row",
+    ("mooncake-transfer-engine-cuda13", "0.3.14"): "one H200 (the wheel a CUDA 13 node installs; "
+    "test_listeners.py there, 4 passed, benchmark/results/test_listeners_1xh200.log): the handshake/RPC listener "
+    "on 0.0.0.0, the TCP data listener on [::], with host 127.0.0.1 and with every setting of "
+    "NON_BINDING_SETTINGS, while the log says 'RPC using P2P handshake, listening on 127.0.0.1:PORT'",
 }
 MOONCAKE_DISTRIBUTIONS = (
     "mooncake-transfer-engine",
