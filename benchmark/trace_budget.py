@@ -168,8 +168,10 @@ def node_budget(model: dict, layout: Layout, kv_dtype: str, kv_bytes_per_token: 
     host_rows = int(rows * HICACHE_RATIO)
     host_pool_tokens = host_rows * (layout.width if layout.path == "shared" else 1)
     host_bytes = host_rows * kv_bytes_per_token * layout.tp
-    lines = [f"{layout.path} W={layout.width} ({layout.sglang_flags()}): attention TP {layout.attn_tp} "
-             f"(derive_attn_tp_size: tp {layout.tp} / attn_dp {layout.attn_dp} / attn_cp {layout.attn_cp}), {kv_dtype} KV"]
+    lines = [
+        f"{layout.path} W={layout.width} ({layout.sglang_flags()}): attention TP {layout.attn_tp} "
+        f"(derive_attn_tp_size: tp {layout.tp} / attn_dp {layout.attn_dp} / attn_cp {layout.attn_cp}), {kv_dtype} KV"
+    ]
     lines += [f"  {name:<30} {b / GIB:7.2f} GiB  ({rule})" for name, b, rule in terms]
     lines += [
         f"  {'weights per GPU':<30} {weights / GIB:7.2f} GiB",
