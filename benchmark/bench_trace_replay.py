@@ -368,8 +368,8 @@ def print_report(info, args, budgets, kv_bytes, model, rows, n_requests) -> None
 
 
 def plot(rows: list[dict], png: str) -> None:
-    """Hits and TTFT p50 against the arm's KV capacity, one line per arm (path, HiCache) over widths,
-    for one node and for the largest node count with cache-aware routing."""
+    """Hits and TTFT against the KV an arm caches (device + host), one line per arm: across widths
+    on one node; across node counts at the largest width (cache-aware routing)."""
     try:
         import matplotlib
 
@@ -378,44 +378,55 @@ def plot(rows: list[dict], png: str) -> None:
     except ImportError:
         print("matplotlib is not installed: no plot")
         return
-    node_counts = sorted({r["nodes"] for r in rows})
-    panels = [n for n in (node_counts[0], node_counts[-1])]
-    panels = list(dict.fromkeys(panels))
-    fig, axes = plt.subplots(len(panels), 2, figsize=(13, 4.6 * len(panels)), squeeze=False)
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9.5))
     colors = {"replicated": "black", "shared": "C3", "dp_attention": "C0"}
-    for row_ax, nodes in zip(axes, panels):
-        ax_hit, ax_ttft = row_ax
-        for (arm_path, hicache, kv, c) in dict.fromkeys((r["path"], r["hicache"], r["kv_dtype"], r["scratch_contexts"])
-                                                     for r in rows):  # fmt: skip
-            pick = [r for r in rows if (r["path"], r["hicache"], r["kv_dtype"], r["scratch_contexts"]) ==
-                    (arm_path, hicache, kv, c) and r["nodes"] == nodes and r["routing"] in ("-", "cache_aware")]  # fmt: skip
-            pick.sort(key=lambda r: r["width"])
+    width = max(r["width"] for r in rows)
+    arms = dict.fromkeys((r["path"], r["hicache"], r["kv_dtype"], r["scratch_contexts"]) for r in rows)
+
+    def cached(r):
+        return (r["capacity_tokens"] + r["host_tokens_per_pool"] * r["radix_caches"]) / 1e6
+
+    def lines(ax, pick_rows, y, label_of, errors=False):
+        for arm in arms:
+            pick = [r for r in pick_rows if (r["path"], r["hicache"], r["kv_dtype"], r["scratch_contexts"]) == arm]
             if not pick:
                 continue
-            x = [(r["capacity_tokens"] + r["host_tokens_per_pool"] * r["radix_caches"]) / 1e6 for r in pick]
-            style = dict(color=colors[arm_path], linestyle="--" if hicache else "-", marker="o")
-            label = f"{arm_path}{' + HiCache' if hicache else ''} {kv}" + (f" C={c}" if c else "")
-            ax_hit.plot(x, [100 * r["prefix_hit_fraction"] for r in pick], label=label, **style)
-            for r, xi in zip(pick, x):
-                ax_hit.annotate(f"W={r['width']}", (xi, 100 * r["prefix_hit_fraction"]), fontsize=7,
-                                textcoords="offset points", xytext=(3, 3))  # fmt: skip
-            mid = [r["ttft_p50_s"] for r in pick]
-            spread = [
-                [m - r["ttft_p50_s_low"] for m, r in zip(mid, pick)],
-                [r["ttft_p50_s_high"] - m for m, r in zip(mid, pick)],
-            ]
-            ax_ttft.errorbar(x, mid, yerr=spread, capsize=3, **style)
-        routed = "" if nodes == 1 else ", cache-aware routing"
-        ax_hit.set(xscale="log", xlabel="KV the arm caches, device + host (M tokens)",
-                   ylabel="prefix hit (% of input tokens)", title=f"{nodes} prefill node(s){routed}")  # fmt: skip
-        ax_ttft.set(xscale="log", yscale="log", xlabel="KV the arm caches, device + host (M tokens)",
-                    ylabel="TTFT p50, s (bars: cost model low-high)", title=f"{nodes} prefill node(s){routed}")  # fmt: skip
-        ax_hit.grid(alpha=0.3)
-        ax_ttft.grid(alpha=0.3)
-        ax_hit.legend(fontsize=7, loc="upper left")
-    fig.suptitle(
-        "Mooncake conversation trace: replicated CP vs shared CP vs DP attention, HiCache, nodes (W = 2, 4, 8)"
+            path, hicache, kv, c = arm
+            style = dict(color=colors[path], linestyle="--" if hicache else "-", marker="s" if hicache else "o",
+                         fillstyle="none" if hicache else "full")  # fmt: skip
+            label = f"{path}{' + HiCache' if hicache else ''}" + (f" C={c}" if c else "")
+            x, ys = [cached(r) for r in pick], [y(r) for r in pick]
+            if errors:
+                lo, hi = [y(r, "_low") for r in pick], [y(r, "_high") for r in pick]
+                ax.errorbar(x, ys, yerr=[[m - a for m, a in zip(ys, lo)], [b - m for m, b in zip(ys, hi)]], capsize=3,
+                            label=label, **style)  # fmt: skip
+            else:
+                ax.plot(x, ys, label=label, **style)
+            for r, xi, yi in zip(pick, x, ys):
+                ax.annotate(label_of(r), (xi, yi), fontsize=7, textcoords="offset points", xytext=(3, 3))
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+
+    one = sorted(
+        (r for r in rows if r["nodes"] == 1 and r["routing"] in ("-", "cache_aware")), key=lambda r: r["width"]
     )
+    many = sorted((r for r in rows if r["width"] == width and r["routing"] in ("-", "cache_aware")),
+                  key=lambda r: r["nodes"])  # fmt: skip
+    served = [r for r in many if r["nodes"] > 1] or many
+    hit = lambda r, s="": 100 * r["prefix_hit_fraction"]  # noqa: E731
+    lines(axes[0][0], one, hit, lambda r: f"W={r['width']}")
+    axes[0][0].set(title="one prefill node: W = 2, 4, 8 GPUs per attention group", ylabel="prefix hit (% of input)")
+    lines(axes[0][1], many, hit, lambda r: f"{r['nodes']} node" + ("s" if r["nodes"] > 1 else ""))
+    axes[0][1].set(title=f"W={width}, 1/2/4 nodes, cache-aware routing", ylabel="prefix hit (% of input)")
+    for ax, q in ((axes[1][0], 50), (axes[1][1], 90)):
+        lines(ax, served, lambda r, s="", q=q: r[f"ttft_p{q}_s{s}"], lambda r: f"{r['nodes']} nodes", errors=True)
+        ax.set(yscale="log", title=f"W={width}, cache-aware routing: TTFT p{q} (bars: cost model low-high)",
+               ylabel=f"TTFT p{q}, s")  # fmt: skip
+    for ax in axes.flat:
+        ax.set_xlabel("KV the arm caches, device + host, all nodes (M tokens)")
+    axes[0][0].legend(fontsize=7, loc="upper left")
+    fig.suptitle("Mooncake conversation trace, GLM-5 fp8 on 8 x H200 prefill nodes: replicated CP, shared CP, "
+                 "DP attention, HiCache")  # fmt: skip
     save_plot(fig, png)
 
 
