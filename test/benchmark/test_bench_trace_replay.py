@@ -124,6 +124,20 @@ def test_capacity_per_layout():
     assert rep.host_tokens_per_pool == 2 * rep.pool_tokens and sh.host_tokens_per_pool == 2 * sh.pool_tokens
 
 
+def test_pool_rows_are_what_sglangs_pool_configurator_computes():
+    # DefaultPoolConfigurator.calculate_pool_sizes: (budget - fixed scratch) // cell size, in pages
+    from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
+
+    glm5, kv = TB.load_model("glm5"), 61464
+    scratch = B.scratch_bytes(8, "fp8", 1, 8192, glm5["max_position_embeddings"])
+    for layout in (TB.Layout("shared", 8), TB.Layout("replicated", 4), TB.Layout("dp_attention", 2)):
+        budget = TB.node_budget(glm5, layout, "fp8", kv, scratch)
+        conf = object.__new__(DefaultPoolConfigurator)  # its arithmetic, without a model runner
+        conf._cell_size, conf._zero_kv_max_tokens = kv, 0
+        conf._fixed_overhead_bytes = budget.scratch_bytes
+        assert conf.calculate_pool_sizes(budget.kv_pool_bytes, TB.PAGE).max_total_num_tokens == budget.tokens_per_rank
+
+
 def test_mem_fraction_and_per_rank_chunk_are_what_sglang_resolves():
     # SGLang's own argument resolution for a GLM-5 PD prefill on an H200 (device memory and
     # capability stood in; nothing else), against the budget's reproduction of its rule.
