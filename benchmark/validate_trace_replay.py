@@ -52,7 +52,8 @@ def scaled_requests(trace: str, n: int) -> list[tuple[list[int], list[int]]]:
     for r in chosen:
         ids = []
         for j, h in enumerate(r.blocks):
-            page = [random.Random(h).randrange(2, vocab) for _ in range(TC.PAGE)]
+            draw = random.Random(h)
+            page = [draw.randrange(2, vocab) for _ in range(TC.PAGE)]
             tail = r.input_len - j * TC.BLOCK
             ids += page if tail >= TC.BLOCK else page[: max(1, tail * TC.PAGE // TC.BLOCK)]
         out.append((list(r.blocks), ids))
