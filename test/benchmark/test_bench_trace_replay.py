@@ -1,128 +1,224 @@
-"""The trace replay (benchmark/bench_trace_replay.py) on CPU: hand-made traces through SGLang's
-own radix cache give the hits and evictions worked out by hand; the capacity arithmetic matches
-SGLang's pool and scratch; the cost model reproduces the H200 chunks it was fitted to; the
-command writes its table, JSON and plot and refuses a bad option with one line."""
+"""The trace replay (benchmark/bench_trace_replay.py and its trace_*.py modules) on CPU: hand-made
+traces through SGLang's own radix cache give the hits and evictions worked out by hand, and the
+block-level cache of the sweep gives the same; the node budget follows SGLang's rules and its
+mem_fraction_static and per-rank chunk are what SGLang's own argument resolution computes; routing
+follows sglang-router's cache-aware rules; the cost model reproduces the H200 chunks it was fitted
+to; the command writes its rows, JSON and plot and refuses a bad option with one line."""
 
 import json
 import os
 import pathlib
 import subprocess
 import sys
+import textwrap
 
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=45, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=150, suite="nsa-cp-test-cpu")
 
 ROOT = pathlib.Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT / "benchmark"))
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import bench_trace_replay as B  # noqa: E402
+import trace_budget as TB  # noqa: E402
+import trace_cache as TC  # noqa: E402
+import trace_cost as TK  # noqa: E402
+import trace_routing as TR  # noqa: E402
 
-# Every batch takes exactly 1 s (c0), so with arrivals 10 s apart each request runs alone.
-ONE_SECOND = {"c0_ms": 1000.0, "c1_ms_per_token": 0.0, "c2_ms_per_pair": 0.0, "outside_ms": 0.0}
-FLAT_MODEL = {"layers": 1, "layers_measured": 1, "cp_measured": 1, "gpus": 1,
-              "fits": {f"{p}/{d}": ONE_SECOND for p in ("replicated", "shared") for d in ("bf16", "fp8")}}  # fmt: skip
+CACHES = [TC.PagePrefixCache, TC.FastPageCache]
 
 
 def req(t_s, input_len, hash_ids):
-    return B.TraceRequest(float(t_s), input_len, B.page_keys(hash_ids, input_len))
+    return TC.TraceRequest(float(t_s), input_len, TC.page_keys(hash_ids, input_len), TC.conversation_key(hash_ids),
+                           hash_ids)  # fmt: skip
 
 
-def run(requests, capacity_pages, path="replicated", cp=2, contexts=None, context_len=B.CONTEXT_LEN):
-    cfg = B.ReplayConfig(cp, "bf16", path, contexts, capacity_pages * B.PAGE, context_len=context_len)
-    return B.replay(requests, cfg, FLAT_MODEL)
+def serve_all(cache_cls, requests, capacity_pages):
+    cache = cache_cls(capacity_pages)
+    keys = (lambda r: r.page_keys) if cache_cls is TC.PagePrefixCache else (lambda r: r.blocks)
+    return [cache.serve(keys(r), r.input_len) for r in requests]
 
 
 def test_page_keys_follow_the_docstring_example():
     # 1100 tokens: blocks 7, 9 give 8 pages each (keys 56..63, 72..79), block 4 one full page (32)
-    assert list(B.page_keys([7, 9, 4], 1100)) == [*range(56, 64), *range(72, 80), 32]
-    assert list(B.page_keys([5], 63)) == []  # no full page: nothing to cache
+    assert list(TC.page_keys([7, 9, 4], 1100)) == [*range(56, 64), *range(72, 80), 32]
+    assert list(TC.page_keys([5], 63)) == []  # no full page: nothing to cache
 
 
-def test_shared_prefix_hits_whole_pages_up_to_input_minus_one():
-    # A [1,2] 1024 tokens: 16 pages cached.  B [1,3]: block 1 = 8 pages hit -> 512 tokens.
-    # C [1,2] 1024: may reuse at most (1024 - 1) // 64 = 15 pages -> 960 tokens (one page recomputed).
-    s = run([req(0, 1024, [1, 2]), req(10, 1024, [1, 3]), req(20, 1024, [1, 2])], capacity_pages=100)
-    assert (s.served, s.rejected, s.input_tokens) == (3, 0, 3072)
-    assert s.cached_tokens == 512 + 960, s
-    assert s.computed_tokens == 3072 - 1472, s
+@pytest.mark.parametrize("cache_cls", CACHES)
+def test_shared_prefix_hits_whole_pages_up_to_input_minus_one(cache_cls):
+    # A [1,2] 1024 tokens: 16 pages cached.  B [1,3]: block 1 = 8 pages hit.
+    # C [1,2] 1024: may reuse at most (1024 - 1) // 64 = 15 pages (one page recomputed).
+    hits = serve_all(cache_cls, [req(0, 1024, [1, 2]), req(1, 1024, [1, 3]), req(2, 1024, [1, 2])], 100)
+    assert hits == [0, 8, 15]
 
 
-def test_partial_last_block_caches_its_full_pages_only():
-    # [7,9,4] 1100 tokens: 17 full pages inserted, 12 tokens never cached.
-    # The same again: limit (1100 - 1) // 64 = 17 pages -> 1088 hit, 12 computed.
-    # [7,9,5]: blocks 7 and 9 only (16 pages) -> 1024 hit; 76 computed.
-    s = run([req(0, 1100, [7, 9, 4]), req(10, 1100, [7, 9, 4]), req(20, 1100, [7, 9, 5])], capacity_pages=100)
-    assert s.cached_tokens == 1088 + 1024, s
-    assert s.computed_tokens == 1100 + 12 + 76, s
+@pytest.mark.parametrize("cache_cls", CACHES)
+def test_partial_last_block_caches_its_full_pages_only(cache_cls):
+    # [7,9,4] 1100 tokens: 17 full pages inserted, 12 tokens never cached. The same again: limit
+    # (1100 - 1) // 64 = 17 pages. [7,9,5]: blocks 7 and 9 only (16 pages).
+    hits = serve_all(cache_cls, [req(0, 1100, [7, 9, 4]), req(1, 1100, [7, 9, 4]), req(2, 1100, [7, 9, 5])], 100)
+    assert hits == [0, 17, 16]
 
 
-def test_eviction_is_sglangs_lru_at_a_capacity_of_six_pages():
-    # Requests of 129 tokens: 3 pages while running, 2 full pages inserted, the partial page freed;
-    # a repeat may reuse (129 - 1) // 64 = 2 pages = 128 tokens, the whole node (no split).
-    # t=0  A[1]: cache A                 (4 free)
-    # t=10 B[2]: cache A B               (2 free)
-    # t=20 C[3]: needs 3, 2 free -> evict the LRU leaf A (2 pages); cache B C
-    # t=30 D[2]: hits B (128 tokens), touching it; needs 1 page
-    # t=40 E[1]: A is gone, miss; evicts C (last used t=20; B was touched at t=30) -> cache B E
-    # t=50 F[3]: C is gone, miss; evicts B (t=30) -> cache E F
-    # t=60 G[2]: B is gone, miss.  FIFO eviction would have evicted B at t=40 and let F hit C.
+@pytest.mark.parametrize("cache_cls", CACHES)
+def test_eviction_is_sglangs_lru_at_a_capacity_of_six_pages(cache_cls):
+    # Requests of 129 tokens: 3 pages while running, 2 full pages kept, the partial page freed;
+    # a repeat may reuse (129 - 1) // 64 = 2 pages.
+    # A[1]: cache A (4 free); B[2]: A B (2 free); C[3]: needs 3 -> evict the LRU leaf A; cache B C
+    # D[2]: hits B (2 pages), touching it; E[1]: A is gone, miss; evicts C (B was touched) -> B E
+    # F[3]: C is gone, miss; evicts B -> E F; G[2]: B is gone, miss. FIFO would have let F hit C.
     hashes = [[1], [2], [3], [2], [1], [3], [2]]
-    s = run([req(10 * i, 129, h) for i, h in enumerate(hashes)], capacity_pages=6)
-    assert (s.served, s.rejected) == (7, 0)
-    assert s.cached_tokens == 128, s
-    assert s.computed_tokens == 7 * 129 - 128, s
+    hits = serve_all(cache_cls, [req(i, 129, h) for i, h in enumerate(hashes)], 6)
+    assert hits == [0, 0, 0, 2, 0, 0, 0]
 
 
-def test_a_request_longer_than_the_cache_is_refused_like_sglang_does():
-    # 4 pages of cache: 300 tokens need 5 pages -> refused (SGLang rejects prompts over its
-    # KV capacity); the two 129-token requests around it run and the second hits the first.
-    s = run([req(0, 129, [1]), req(10, 300, [2]), req(20, 129, [1])], capacity_pages=4)
-    assert (s.served, s.rejected) == (2, 1), s
-    assert s.cached_tokens == 128 and s.input_tokens == 258, s
+@pytest.mark.parametrize("cache_cls", CACHES)
+def test_a_request_longer_than_the_cache_is_refused_like_sglang_does(cache_cls):
+    # 4 pages of cache: 300 tokens need 5 pages -> refused; the requests around it run.
+    hits = serve_all(cache_cls, [req(0, 129, [1]), req(1, 300, [2]), req(2, 129, [1])], 4)
+    assert hits == [0, None, 2]
 
 
-def test_scratch_prefix_region_defers_a_batch_past_c_contexts():
-    # context 512 at CP 2, C = 1: prefix region ceil(512, 2 x 64) = 512 tokens. A [1] 300 tokens
-    # caches 4 pages; then B, C, D (the same prompt) arrive together, each reusing 4 pages, padded
-    # to 2 x ceil(4 / 2) = 4 pages = 256 tokens: B and C fill the region, D waits for the next
-    # batch. Batches: A, {B, C}, {D} = 3; with C = 2 (1024 tokens) or replicated: A, {B, C, D} = 2.
-    reqs = [req(0, 300, [1])] + [req(10, 300, [1]) for _ in range(3)]
-    one = run(reqs, 100, "shared", contexts=1, context_len=512)
-    two = run(reqs, 100, "shared", contexts=2, context_len=512)
-    repl = run(reqs, 100, "replicated", context_len=512)
-    assert (one.batches, one.deferred_by_scratch) == (3, 1), one
-    assert (two.batches, two.deferred_by_scratch) == (2, 0), two
-    assert repl.batches == 2, repl
-    for s in (one, two, repl):
-        assert s.cached_tokens == 3 * 256, s
-    # D finishes a second later with C = 1: TTFTs (s) 1 (A), then 1, 1, 2 against 1, 1, 1
-    assert sorted(one.ttft_s) == [1.0, 1.0, 1.0, 2.0] and sorted(repl.ttft_s) == [1.0] * 4
+def test_block_cache_matches_sglangs_tree_on_the_trace():
+    # The sweep's block-level cache against SGLang's UnifiedRadixCache, request by request, on
+    # the trace's first 1500 requests at a capacity that evicts (SGLang evicts whole radix nodes,
+    # the block cache chains of blocks with one access time: nearly, not always, the same pages).
+    requests = TC.load_trace(B.DEFAULT_TRACE, limit=1500)
+    capacity = 200_000
+    sglang = TC.cache_pass(requests, capacity)
+    fast = TC.fast_cache_pass(requests, capacity)
+    total = sum(r.input_len for r in requests)
+    same = sum(a == b for a, b in zip(sglang, fast))
+    gap = abs(sum(a or 0 for a in sglang) - sum(b or 0 for b in fast)) * TC.PAGE / total
+    assert same >= 0.99 * len(requests), f"{len(requests) - same} requests differ"
+    assert gap <= 0.002, f"hit fractions differ by {100 * gap:.2f} points"
 
 
-def test_capacity_arithmetic_matches_sglangs_pool_and_scratch():
-    # bf16: 576 x 2 B latent + 128 B index K + 4 B scale = 1284 B per layer; fp8: 656 + 132 = 788
-    assert B.measure_kv_bytes_per_token("bf16") == 78 * 1284
-    assert B.measure_kv_bytes_per_token("fp8") == 78 * 788
-    # CP 8, C = 8, chunk 8192: 2 x (8 x 202752 + 8192 + 64) rows x 1284 B
-    assert B.scratch_bytes(8, "bf16", 8, 8192) == 2 * (8 * 202752 + 8256) * 1284
-    budget = 10 * B.GIB
-    assert B.capacity_tokens(budget, 61464, 4, "replicated") == budget // 61464 // 64 * 64
-    assert B.capacity_tokens(budget, 61464, 4, "shared", 1 << 30) == 4 * ((budget - (1 << 30)) // 61464 // 64 * 64)
+def test_attention_tp_and_weights_follow_sglangs_layout_rules():
+    glm5 = TB.load_model("glm5")
+    # MLA + indexer per layer: the ~174M parameters CP replicates at attention TP 1
+    assert TB.attention_params_per_layer(glm5) == 174_391_296
+    assert [TB.Layout("shared", w).attn_tp for w in (2, 4, 8)] == [4, 2, 1]
+    assert [TB.Layout("dp_attention", w).attn_tp for w in (2, 4, 8)] == [4, 2, 1]
+    assert TB.Layout("dp_attention", 8).pools == 8 and TB.Layout("shared", 8).pools == 1
+    terms = {w: dict((n, b) for n, b, _ in TB.weight_terms(glm5, TB.Layout("replicated", w))) for w in (2, 8)}
+    split = "attention q_b/kv_b/o_proj"
+    assert terms[8][split] == pytest.approx(4 * terms[2][split])  # attention TP 4 -> 1
+    assert terms[8]["routed experts"] == terms[2]["routed experts"]  # MoE over all 8 GPUs either way
+    # DP attention splits the embedding over attention TP; CP keeps it over TP 8
+    dp8 = dict((n, b) for n, b, _ in TB.weight_terms(glm5, TB.Layout("dp_attention", 8)))
+    assert dp8["embedding"] == pytest.approx(8 * terms[8]["embedding"])
+
+
+def test_capacity_per_layout():
+    glm5, kv = TB.load_model("glm5"), 61464
+    rep = TB.node_budget(glm5, TB.Layout("replicated", 8), "fp8", kv, 0)
+    sh = TB.node_budget(glm5, TB.Layout("shared", 8), "fp8", kv, 1 << 30)
+    dp = TB.node_budget(glm5, TB.Layout("dp_attention", 8), "fp8", kv, 0)
+    assert rep.capacity_tokens == rep.tokens_per_rank == rep.pool_tokens
+    assert sh.capacity_tokens == 8 * sh.tokens_per_rank and sh.tokens_per_rank < rep.tokens_per_rank  # scratch
+    assert dp.capacity_tokens == 8 * dp.pool_tokens and dp.pool_tokens < rep.pool_tokens  # embedding / attn TP 1
+    assert rep.host_tokens_per_pool == 2 * rep.pool_tokens and sh.host_tokens_per_pool == 2 * sh.pool_tokens
+
+
+def test_pool_rows_are_what_sglangs_pool_configurator_computes():
+    # DefaultPoolConfigurator.calculate_pool_sizes: (budget - fixed scratch) // cell size, in pages
+    from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
+
+    glm5, kv = TB.load_model("glm5"), 61464
+    scratch = B.scratch_bytes(8, "fp8", 1, 8192, glm5["max_position_embeddings"])
+    for layout in (TB.Layout("shared", 8), TB.Layout("replicated", 4), TB.Layout("dp_attention", 2)):
+        budget = TB.node_budget(glm5, layout, "fp8", kv, scratch)
+        conf = object.__new__(DefaultPoolConfigurator)  # its arithmetic, without a model runner
+        conf._cell_size, conf._zero_kv_max_tokens = kv, 0
+        conf._fixed_overhead_bytes = budget.scratch_bytes
+        assert conf.calculate_pool_sizes(budget.kv_pool_bytes, TB.PAGE).max_total_num_tokens == budget.tokens_per_rank
+
+
+def test_mem_fraction_and_per_rank_chunk_are_what_sglang_resolves():
+    # SGLang's own argument resolution for a GLM-5 PD prefill on an H200 (device memory and
+    # capability stood in; nothing else), against the budget's reproduction of its rule.
+    script = textwrap.dedent(f"""
+        import json, sys, tempfile
+        from unittest import mock
+        import torch
+        from sglang.srt.server_args import ServerArgs
+        import sglang.srt.arg_groups.memory_hook as mh
+        cfg = json.load(open({str(TB.MODELS["glm5"])!r})); cfg.pop("_source")
+        d = tempfile.mkdtemp(); json.dump(cfg, open(d + "/config.json", "w"))
+        out = {{}}
+        for name, extra in (("cp8", dict(attn_cp_size=8)), ("dp8", dict(dp_size=8, enable_dp_attention=True))):
+            with mock.patch.object(mh, "get_device_memory_capacity", lambda device=None: {TB.H200_MIB}), \\
+                 mock.patch.object(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0)), \\
+                 mock.patch.object(torch.cuda, "is_available", lambda: True):
+                a = ServerArgs(model_path=d, tp_size=8, disaggregation_mode="prefill", device="cuda",
+                               skip_tokenizer_init=True, kv_cache_dtype="fp8_e4m3", **extra)
+                a.resolve_once()
+            r = a.resolved_dict()
+            out[name] = [r["mem_fraction_static"], r["chunked_prefill_size"], r["page_size"], r["hicache_ratio"]]
+        print(json.dumps(out))
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    ours = [TB.mem_fraction_static(8192), 8192, TB.PAGE, TB.HICACHE_RATIO]
+    assert got["cp8"] == ours, got
+    assert got["dp8"] == [ours[0], TB.per_rank_chunk(8192, TB.Layout("dp_attention", 8)), TB.PAGE, 2.0], got
+
+
+def test_routing_sticky_round_robin_and_cache_aware():
+    reqs = [req(i, 2048, [0, 100 + i % 3, 7, 8]) for i in range(9)]  # 3 conversations, one turn each 1 s
+    sticky = TR.route(reqs, 4, "sticky")
+    assert all(sticky[i] == sticky[i % 3] for i in range(9))
+    assert TR.route(reqs, 4, "round_robin") == [i % 4 for i in range(9)]
+    # cache-aware: a new conversation (match 1 block of 4 = 25 % <= 30 %) goes to the smallest tree;
+    # its later turns (match 4 of 4) follow it
+    ca = TR.route(reqs, 4, "cache_aware", tokens_per_s=1e9)
+    assert ca[:3] == [0, 1, 2] and all(ca[i] == ca[i % 3] for i in range(9)), ca
+
+
+def test_cache_aware_routing_balances_past_64_requests_in_flight():
+    # 70 turns of one conversation at once (7 of 8 blocks shared), each taking 1000 s: after 65
+    # on worker 0 (64 more than worker 1's 0, and over 1.5 x), the next goes to the idle worker
+    # despite the match.
+    reqs = [req(0.001 * i, 4096, [0, 5, 6, 7, 8, 9, 10, 1000 + i]) for i in range(70)]
+    ca = TR.route(reqs, 2, "cache_aware", tokens_per_s=0.512)
+    assert ca[:65] == [0] * 65 and ca[65] == 1, ca
 
 
 def test_cost_model_reproduces_the_h200_chunks_within_5_percent():
-    model = B.fit_cost_model()
-    as_measured = dict(model, layers=model["layers_measured"], gpus=model["cp_measured"])  # no scaling
+    model = TK.fit_cost_model()
     for name, fit in model["fits"].items():
         path, kv = name.split("/")
         assert fit["max_rel_err"] <= 0.05, f"{name}: {fit['max_rel_err']:.3f}"
         for p in fit["points"]:
-            got = 1000 * B.chunk_seconds(as_measured, path, kv, [(p["new"], p["hist"])])
+            got = TK.measured_chunk_ms(model, path, kv, [(p["new"], p["hist"])])
             assert abs(got - p["measured_ms"]) <= 0.05 * p["measured_ms"], f"{name} {p}: model {got:.1f} ms"
     assert len(model["fits"]["replicated/bf16"]["points"]) == 4 + 8 + 16 + 2  # every timed chunk
+
+
+def test_a_long_prompt_on_a_dp_rank_runs_its_attention_on_that_rank_alone():
+    model, glm5 = TK.fit_cost_model(), TB.load_model("glm5")
+    cp8 = TK.StepCost(model, glm5, "replicated", "fp8", 8, 8, "mid", 61464)
+    dp8 = TK.StepCost(model, glm5, "dp_attention", "fp8", 1, 8, "mid", 61464)
+    long_chunk = [[(1024, 100_000)]]  # the 1024 new tokens a DP8 rank takes per step, after 100k of history
+    attn = lambda c: c.step_ms(long_chunk, 0) - c.fit["outside_ms"] - c.moe_ms_per_token * 1024  # noqa: E731
+    assert attn(dp8) == pytest.approx(attn(cp8) * 8 * TK.ATTN_EFFICIENCY["mid"])
+
+
+def test_node_steps_its_dp_ranks_together():
+    # Flat 1 s steps: two ranks, one request each at t=0, and a second on rank 0 at t=0 too.
+    class Flat:
+        def step_ms(self, batches, loaded):
+            return 1000.0
+
+    ttft, busy = TK.simulate_node([[(0.0, 100, 0, 0), (0.0, 100, 0, 0)], [(0.0, 5000, 0, 0)]], 1024, Flat())
+    # step 1: rank 0 takes both (200 tokens), rank 1 1024 of 5000; rank 1 needs 5 steps
+    assert sorted(ttft) == [1.0, 1.0, 5.0] and busy == 5.0
 
 
 def _tiny_trace(path):
@@ -139,34 +235,38 @@ def _bench(*args):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_cli_writes_table_json_and_plot(tmp_path):
+def test_cli_writes_rows_json_and_plot(tmp_path):
     trace = tmp_path / "trace.jsonl"
     _tiny_trace(trace)
-    run_ = _bench("--trace", str(trace), "--out", str(tmp_path), "--cp", "2", "--kv-dtypes", "fp8",
-                  "--scratch-contexts", "1,8", "--budget-gib", "4", "--no-progress")  # fmt: skip
+    run_ = _bench("--trace", str(trace), "--out", str(tmp_path), "--widths", "8", "--nodes", "1,2",
+                  "--routing", "sticky", "--jobs", "1", "--no-progress")  # fmt: skip
     assert run_.returncode == 0, run_.stderr[-3000:]
     assert run_.stdout.startswith("machine: ") and "TTFT p50 s" in run_.stdout, run_.stdout
     raw = json.loads((tmp_path / "bench_trace_replay.json").read_text())
-    assert [(r["path"], r["scratch_contexts"]) for r in raw["rows"]] == [
-        ("replicated", None),
-        ("shared", 1),
-        ("shared", 8),
-    ]
+    arms = [(r["path"], r["hicache"], r["nodes"], r["routing"]) for r in raw["rows"]]
+    assert arms == [(p, h, k, rt) for p, k1 in (("replicated", "-"), ("shared", "-"), ("dp_attention", "sticky"))
+                    for k, rt in ((1, k1), (2, "sticky")) for h in (False, True)]  # fmt: skip
     for r in raw["rows"]:
-        assert r["served"] == 12 and 0 < r["prefix_hit_fraction"] < 1, r
+        assert r["input_tokens"] == sum(700 + 300 * (i % 3) for i in range(12)) and r["rejected"] == 0, r
+        assert 0 < r["prefix_hit_fraction"] < 1 and r["ttft_p50_s_low"] <= r["ttft_p50_s"] <= r["ttft_p50_s_high"]
+        for key in ("cp", "kv_dtype", "path", "scratch_contexts", "capacity_tokens", "ttft_p90_s", "ttft_p99_s"):
+            assert key in r, key
     assert (tmp_path / "bench_trace_replay.png").stat().st_size > 0
-    assert json.loads((tmp_path / "bench_trace_replay_cost_model.json").read_text())["fits"]
 
 
 @pytest.mark.parametrize(
     "args, words",
     [
-        (["--cp", "1"], "--cp"),
+        (["--widths", "3"], "--widths"),
+        (["--paths", "tp"], "--paths"),
+        (["--routing", "random"], "--routing"),
+        (["--hicache", "yes"], "--hicache"),
         (["--kv-dtypes", "fp16"], "--kv-dtypes"),
         (["--speed", "0"], "--speed"),
         (["--scratch-contexts", "0"], "--scratch-contexts"),
         (["--trace", "/nonexistent.jsonl"], "--trace"),
         (["--limit", "0"], "--limit"),
+        (["--model", "llama"], "--model"),
         (["--bogus"], "--bogus"),
     ],
 )
