@@ -43,6 +43,7 @@ SM90 = (9, 0)
 def sparse_mla_reference(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
     """Stands in for FlashMLA's `flash_mla_sparse_fwd` (CUDA only; SGLang has no torch path):
     q [s_q, h, d_qk], kv [s_kv, 1, d_qk], indices [s_q, 1, topk] (-1 = unused) -> o [s_q, h, d_v].
+    Unused entries (-1, or past topk_length) read nothing, as in the kernel.
     kv may also be an fp8 pool's 656-byte FlashMLA rows (SGLang hands the pool to the decode kernel
     as it is; on CUDA an fp8 pool decodes with flashmla_kv, whose kernel dequantizes each row the
     same way): they are dequantized to bf16 first."""
@@ -54,6 +55,8 @@ def sparse_mla_reference(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk
     if topk_length is not None:
         valid &= torch.arange(idx.shape[1])[None, :] < topk_length.long()[:, None]
     keys = kv[:, 0].float()[idx.clamp(min=0)]  # [s_q, topk, d_qk]
+    # FlashMLA's kernel skips invalid entries: what row they would gather (NaN too) contributes nothing.
+    keys = keys.masked_fill(~valid[..., None], 0.0)
     logits = torch.einsum("qhd,qkd->qhk", q.float(), keys) * sm_scale
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)

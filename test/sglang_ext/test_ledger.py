@@ -142,21 +142,21 @@ def _sglang_pool_class():
     return resolve_sglang(POOL)
 
 
-def _resign_sglang_begin_shard_extend(monkeypatch):
+def _resign_sglang_set_mla_kv_buffer(monkeypatch):
     """SGLang's own pool gains a parameter on a method the plugin's subclass overrides (the
     subclass's override, which now has SGLang's pool's name, stays as it was)."""
 
-    def begin_shard_extend(self, req_to_token, req_pool_indices, prefix_lens_cpu, seq_lens_cpu, draft=False):
+    def set_mla_kv_buffer(self, layer, loc_info, cache_k_nope, cache_k_rope, layer_id_override=None, stream=None):
         raise AssertionError("not called")
 
-    monkeypatch.setattr(_sglang_pool_class(), "begin_shard_extend", begin_shard_extend)
+    monkeypatch.setattr(_sglang_pool_class(), "set_mla_kv_buffer", set_mla_kv_buffer)
 
 
-def _rename_block_pages(monkeypatch):
-    """SGLang's pool module as if SGLang renamed `_block_pages` (a copy of its source, imported)."""
+def _rename_shard_extend_active(monkeypatch):
+    """SGLang's pool module as if SGLang renamed `_shard_extend_active` (a copy of its source, imported)."""
     source = Path(inspect.getsourcefile(_sglang_pool_class()))
     renamed = Path(tempfile.mkdtemp()) / "page_interleave_pool.py"
-    renamed.write_text(source.read_text().replace("_block_pages", "_prefix_block_pages"))
+    renamed.write_text(source.read_text().replace("_shard_extend_active", "_shard_extend_running"))
     spec = importlib.util.spec_from_file_location("sglang.srt.mem_cache.page_interleave_pool_renamed", renamed)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)
@@ -180,9 +180,9 @@ FAULTS = [
     (_change_signature, SPEC_HOOK, "its target's signature changed"),
     (_unwrap_target, SPEC_HOOK, "it is not installed"),
     (_drop_resolution_step, "arg_groups.parallel_hook:validate_then", "it is not installed"),
-    (_resign_sglang_begin_shard_extend, POOL_HOOK, f"the overridden `{POOL}.begin_shard_extend`'s signature changed"),
-    (_rename_block_pages, POOL_HOOK, f"relies on SGLang's private `{POOL}._block_pages` (attribute), which is no "
-                                     "longer set by SGLang's class"),
+    (_resign_sglang_set_mla_kv_buffer, POOL_HOOK, f"the overridden `{POOL}.set_mla_kv_buffer`'s signature changed"),
+    (_rename_shard_extend_active, POOL_HOOK, f"relies on SGLang's private `{POOL}._shard_extend_active` (attribute), "
+                                             "which is no longer set by SGLang's class"),
     (_make_slots_a_method, POOL_HOOK, f"`{POOL}._slots` (attribute), which is now a method"),
     (_break_hook_import, "layers.cp.utils:cp_gather_after_forward", "its hook does not import"),
 ]  # fmt: skip
@@ -210,8 +210,8 @@ def test_a_class_replace_is_checked_on_sglangs_own_class(plugin):
     sglang_pool = ledger.resolve_sglang(POOL)
     assert pkgutil.resolve_name(POOL) is Plugin and Plugin.__bases__ == (sglang_pool,)
     assert sglang_pool.__module__ == "sglang.srt.mem_cache.page_interleave_pool"
-    assert ledger.resolve_sglang(f"{POOL}.begin_shard_extend") is sglang_pool.begin_shard_extend
-    assert {"_block_pages", "_slots", "_shard_extend_active"} <= ledger.attributes_set_on_self(sglang_pool)
+    assert ledger.resolve_sglang(f"{POOL}.set_mla_kv_buffer") is sglang_pool.set_mla_kv_buffer
+    assert {"_slots", "_shard_extend_active"} <= ledger.attributes_set_on_self(sglang_pool)
 
 
 def test_the_ledger_lists_every_private_sglang_name_the_pool_overrides_use(plugin):
@@ -277,8 +277,8 @@ def test_each_scheduler_checks_the_patch_points_before_it_sizes_its_pool(plugin,
     assert make_page_shard_spec(lambda kvc: None, kvc) is None  # all in place: SGLang's answer (sharding off)
     monkeypatch.setattr(ledger, "_checked_ok", False)
     with monkeypatch.context() as broken:
-        _resign_sglang_begin_shard_extend(broken)
-        with pytest.raises(RuntimeError, match=f"  - hook {POOL_HOOK} .*begin_shard_extend`'s signature changed"):
+        _resign_sglang_set_mla_kv_buffer(broken)
+        with pytest.raises(RuntimeError, match=f"  - hook {POOL_HOOK} .*set_mla_kv_buffer`'s signature changed"):
             make_page_shard_spec(lambda kvc: None, kvc)
     setattr(server_args, ATTR, False)  # requested, but no resolution step wrote the decision
     with pytest.raises(RuntimeError, match="was requested but its start-up validation never ran"):

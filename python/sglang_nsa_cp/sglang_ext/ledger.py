@@ -118,11 +118,11 @@ LEDGER: tuple[PatchPoint, ...] = (
                "the sharded scratch holds SGLANG_NSA_CP_SCRATCH_CONTEXTS contexts (default 1), not SGLang's fixed 8",
                "a server setting for `_KV_SHARD_SCRATCH_PREFIX_CONTEXTS`"),
     PatchPoint(_POOL, "REPLACE", "mem_cache.page_interleave_pool:PageInterleaveDSATokenToKVPool", "915bce3e5a47",
-               "SGLang's sharded DSA pool with the fp8 chunk quantized once and scratch row 0 zeroed without history",
-               "the same two changes in `PageInterleaveDSATokenToKVPool` (docs/upstream.md)",
-               overrides=((f"{_POOL}.begin_shard_extend", "150f622c8438"), (f"{_POOL}.set_mla_kv_buffer", "50d382e4c2f9")),
-               relies_on=((f"{_POOL}._block_pages", "attribute"), (f"{_POOL}._slots", "attribute"),
-                          (f"{_POOL}._shard_extend_active", "attribute"), (f"{_POOL}._translate_loc_cached", "method"))),
+               "SGLang's sharded DSA pool with the fp8 chunk quantized once (one pass for scratch and owned rows)",
+               "the same change in `PageInterleaveDSATokenToKVPool` (docs/upstream.md)",
+               overrides=((f"{_POOL}.set_mla_kv_buffer", "50d382e4c2f9"),),
+               relies_on=((f"{_POOL}._slots", "attribute"), (f"{_POOL}._shard_extend_active", "attribute"),
+                          (f"{_POOL}._translate_loc_cached", "method"))),
     # layers/cp/utils.py
     PatchPoint(f"{_S}layers.cp.utils.cp_gather_after_forward", "AROUND", "layers.cp.utils:cp_gather_after_forward",
                "37aa32f39122", "the narrow tail gather: N x bs last-token rows instead of every token's hidden state, "

@@ -9,8 +9,8 @@ scratch as the batch begins and writes the same chunk into every layer
   two quantizations per layer write (the chunk for the scratch, the owned rows again);
 - with the flag the pool bytes and the chunk's scratch rows are SGLang's, from one pass of the
   fused store's Triton kernel (run by Triton's interpreter) and no call of SGLang's quantizer;
-  the scratch differs only in row 0 (latent) and page 0 (indexer keys), zeroed where SGLang
-  leaves what the scratch held before the batch.
+  so is the whole scratch, row 0 included (SGLang's batch start, not overridden, leaves it as
+  the scratch held it before the batch).
 SGLang's quantizer is its own Triton kernel, interpreted too (the helper says why not the torch
 twin the forward tests use, under which the forward's fp8 runs take the fused store's torch
 reference).
@@ -25,7 +25,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import sys  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from helpers import sglang_model_harness as H  # noqa: E402
@@ -76,7 +75,7 @@ def test_sglangs_pool_quantizes_each_write_twice(ranks):
         assert r["plugin, flag off"]["quantizations"] == 2 * LAYERS, f"{rank=}"
 
 
-def test_with_the_flag_one_fused_pass_stores_sglangs_bytes_and_zeroes_row_0(ranks):
+def test_with_the_flag_one_fused_pass_stores_sglangs_bytes(ranks):
     for rank, r in enumerate(ranks):
         on, sglang = r["plugin, flag on"], r["sglang"]
         assert (on["quantizations"], on["fused_stores"]) == (0, LAYERS), f"{rank=}: {on}"
@@ -84,10 +83,7 @@ def test_with_the_flag_one_fused_pass_stores_sglangs_bytes_and_zeroes_row_0(rank
             _assert_same(got, want, f"{rank=}, {layer=}: pool")
         for name, slots in sglang["scratch"].items():
             for slot, want in enumerate(slots):
-                got, where = on["scratch"][name][slot], f"{rank=}, scratch {name} slot {slot}"
-                _assert_same(got[1:], want[1:], where + " past row 0")
-                assert not got[0].any(), f"{where}: row 0 not zeroed"
-                assert torch.equal(want[0], torch.full_like(want[0], 0xFF)), f"{where}: SGLang's row 0 was written"
+                _assert_same(on["scratch"][name][slot], want, f"{rank=}, scratch {name} slot {slot}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ Target: `page_interleave_pool.PageInterleaveDSATokenToKVPool` (REPLACE, class): 
 pool by that name for the target worker and an MTP draft (`KVCacheConfigurator._build_dsa_kv_pool`,
 `_build_mtp_kv_shard_pool`); the hook registry propagates the replacement to those imports.
 Without `--enable-nsa-prefill-cp-shared-kv` (SGLang's own `--enable-kv-cache-sharding`, on
-Blackwell) both overrides call SGLang's methods and nothing else (decided once per pool), so the
+Blackwell) the override calls SGLang's methods and nothing else (decided once per pool), so the
 pool stores SGLang's bytes at SGLang's rows (test_page_interleave_pool.py checks pool and scratch).
 
 N = 2, page 64, SGLang's placement (`page_interleave.PageInterleavePlacement`):
@@ -16,17 +16,18 @@ N = 2, page 64, SGLang's placement (`page_interleave.PageInterleavePlacement`):
 
     an extend's scratch slot, one layer:  [ prefix, owner-major | chunk | trash page ]
 
-What it changes, each for a measured reason (docs/sglang_plugin.md):
+What it changes, for a measured reason (docs/sglang_plugin.md):
 - an fp8 pool (FlashMLA's 656-byte rows) quantizes a chunk once and stores the scratch and owned
   rows in one pass (`kernels.store_mla_fp8_owned_and_scratch`, bit-equal to SGLang's quantizer):
   SGLang's pool quantizes it for the scratch and again for the owned rows
   (`quantize_k_cache_separate` twice per layer, then two row scatters).
-- a batch without cached history zeroes scratch row 0: SGLang's DSA readers touch row 0 for
-  padded entries (masked, as they touch a replicated pool's padding slot 0), and in such a batch
-  nothing else writes it, so it holds whatever the last batch or the allocator left; NaN there
-  reaches the logits on CPU, where FlashMLA's stand-in reads row 0 for masked entries
-  (test_page_interleave_pool.py poisons the scratch to show it). Whether FlashMLA's real kernel
-  lets it through on a GPU is what test_row0_gpu.py asks (H200 suite).
+
+SGLang's batch start (`begin_shard_extend`) is used as it is: in a batch without cached history
+its scratch row 0 holds whatever the last batch or the allocator left, and SGLang's DSA readers
+name it only for masked (-1) top-k entries, which FlashMLA's kernel skips. On 1 x H200 with the
+real kernel, SGLang's pool with a NaN-poisoned scratch gives replicated CP's logits bit for bit,
+bf16 and fp8 (test_row0_gpu.py, 2026-12-02); an earlier CPU finding of NaN there came from
+FlashMLA's stand-in, which read row 0 for masked entries and is now faithful.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from sglang_nsa_cp.sglang_ext.server_args import is_enabled
 
 
 class PageInterleaveDSATokenToKVPool(SGLangPool):
-    """`PageInterleaveDSATokenToKVPool` with the overrides of the module docstring."""
+    """`PageInterleaveDSATokenToKVPool` with the override of the module docstring."""
 
     _serves_flag: Optional[bool] = None  # decided on first use: the pool is built after resolution
 
@@ -51,13 +52,6 @@ class PageInterleaveDSATokenToKVPool(SGLangPool):
         if self._serves_flag is None:
             self._serves_flag = is_enabled()
         return self._serves_flag
-
-    def begin_shard_extend(self, req_to_token, req_pool_indices, prefix_lens_cpu, seq_lens_cpu) -> None:
-        super().begin_shard_extend(req_to_token, req_pool_indices, prefix_lens_cpu, seq_lens_cpu)
-        if self.serves_flag() and self._block_pages == 0:  # no history gathered: row 0 is nobody's
-            for slot in self._slots:
-                for tensor in slot.tensors.values():  # latent row 0; index page 0 (its row 0's key)
-                    tensor[:1].zero_()
 
     def set_mla_kv_buffer(self, layer, loc_info, cache_k_nope, cache_k_rope, layer_id_override: Optional[int] = None):
         """Stage the whole chunk into the layer's scratch slot and persist the owned rows, from one
