@@ -47,6 +47,11 @@ def test_typed_reads_and_overrides(monkeypatch):
         envs.SGLANG_NSA_CP_PD_SECRET.get()
     with envs.SGLANG_NSA_CP_TEST_SEED.override(7):
         assert envs.SGLANG_NSA_CP_TEST_SEED.get() == 7
+    monkeypatch.setenv("SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED", " 1")
+    with pytest.raises(ValueError, match=r"SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED=' 1' has spaces around its value"):
+        envs.SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED.get()
+    monkeypatch.setenv("SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED", "  ")
+    assert envs.SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED.get() is False  # blank reads as unset
     with pytest.raises(RuntimeError, match=r"use SGLANG_NSA_CP_SHARED_KV.get\(\)"):
         bool(envs.SGLANG_NSA_CP_SHARED_KV)
 

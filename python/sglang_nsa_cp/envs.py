@@ -32,7 +32,10 @@ class EnvVar:
         return value
 
     def get(self):
-        value = os.environ.get(self.name, "").strip()
+        raw = os.environ.get(self.name, "")
+        value = raw.strip()
+        if value and value != raw:  # ' 1' reads as a typo, not as a confirmation
+            raise ValueError(f"{self.name}={raw!r} has spaces around its value; set it to {value!r}")
         return self.default if value == "" else self.parse(value)
 
     def is_set(self) -> bool:
