@@ -118,7 +118,7 @@ def _abort(cluster, S, ids, context: int) -> dict:
 
 def long_prompt(cluster, S, length: int) -> dict:
     """A prompt past one rank's pool: replicated refuses it (SGLang's message), shared serves it."""
-    import requests
+    from helpers import demo
 
     ids = S.prompt_ids(length, seed=31)
     out = {"tokens": length}
@@ -126,13 +126,9 @@ def long_prompt(cluster, S, length: int) -> dict:
     out["oracle"] = S.generate(cluster.servers["single"].url, ids, NEW_TOKENS, timeout_s=600)["output_ids"]
     out["shared"] = S.generate(cluster.router_url, ids, NEW_TOKENS, timeout_s=600)["output_ids"]
     out["shared_seconds"] = round(time.monotonic() - t0, 1)
-    # the replicated prefill alone: it refuses at admission, before a decode is involved
-    replicated = cluster.servers["replicated"]
-    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": replicated.bootstrap_port, "bootstrap_room": 1}
-    body = {"input_ids": ids, "sampling_params": S.greedy(NEW_TOKENS), **boot}
-    answer = requests.post(replicated.url + "/generate", json=body, timeout=120)
-    out["replicated"] = f"HTTP {answer.status_code}: {answer.text[:400]}"
-    out["replicated_refused"] = answer.status_code == 400
+    message = demo.refusal(cluster.servers["replicated"], ids, timeout_s=120)  # HTTP 400's message, or None
+    out["replicated"] = f"HTTP 400: {message}" if message is not None else "taken in"
+    out["replicated_refused"] = message is not None
     out["ok"] = out["replicated_refused"] and out["shared"] == out["oracle"]
     return out
 

@@ -134,6 +134,8 @@ def refusal(prefill, input_ids: list[int], timeout_s: float = 60) -> str | None:
     try:
         S.generate(prefill.url, input_ids, NEW_TOKENS, timeout_s, **boot)
     except requests.HTTPError as e:
+        if e.response.status_code != 400:  # an admission refusal is a Bad Request; anything else is a failure
+            raise
         return e.response.json()["error"]["message"]
     except requests.Timeout:
         return None  # taken in: it waits for a decode that is not coming
