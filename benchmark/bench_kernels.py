@@ -2,6 +2,7 @@
 
     # on the GPU machine, after `source scripts/gpu_unpack.sh /tmp/site` (docs/gpu_bundle.md):
     python3 benchmark/bench_kernels.py [--tokens 8192,65536,262144] [--cp 2,4,8] [--repeats 5] [--out DIR]
+        [--launch-shapes 8:4,16:8]   # the fused kernel's rows per program : warps, each timed in turn
     # on CPU, correctness only (small chunks):
     TRITON_INTERPRET=1 PYTHONPATH=python:test python benchmark/bench_kernels.py --dry-run --tokens 130
 
@@ -102,6 +103,23 @@ def sglang_pool(tokens: int, n: int, device: torch.device):
     )  # fmt: skip
 
 
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """'8:4,16:8' -> [(8, 4), (16, 8)]: the fused kernel's rows per program and warps (powers of 2)."""
+    shapes = []
+    for item in text.split(","):
+        rows, _, warps = item.partition(":")
+        if not (rows.isdigit() and warps.isdigit()) or any(v < 1 or v & (v - 1) for v in (int(rows), int(warps))):
+            raise argparse.ArgumentTypeError(f"{item!r}: expected ROWS:WARPS, powers of 2 (e.g. 8:4)")
+        shapes.append((int(rows), int(warps)))
+    return shapes
+
+
+def use_shape(shape: tuple[int, int]) -> None:
+    from sglang_nsa_cp.kernels import mla_fp8_owned_and_scratch as fused
+
+    fused.FP8_ROWS_PER_PROGRAM, fused.FP8_NUM_WARPS = shape
+
+
 def chunk_case(tokens: int, n: int, device: torch.device) -> dict:
     """The pool, one request's chunk in pages of random order (never SGLang's first N padding
     pages), its plan, and the fused and SGLang writes of it."""
@@ -185,8 +203,9 @@ def measure(case: dict, timer: Timer, device: torch.device) -> dict:
                 speedup=sglang_us / fused_us)  # fmt: skip
 
 
-def summarize(tokens: int, n: int, case: dict, repeats: list[dict]) -> dict:
-    row = dict(tokens=tokens, cp=n, mib_in=case["mib_in"], moved_bytes=case["moved_bytes"], ok=case["ok"])
+def summarize(tokens: int, n: int, shape: tuple[int, int], case: dict, repeats: list[dict]) -> dict:
+    row = dict(tokens=tokens, cp=n, launch_shape=list(shape), mib_in=case["mib_in"], moved_bytes=case["moved_bytes"],
+               ok=case["ok"][shape])  # fmt: skip
     for key in ("fused_us", "sglang_us", "copy_us", "of_copy", "speedup"):
         values = [r[key] for r in repeats]
         row[key] = statistics.median(values)
@@ -200,7 +219,7 @@ def goal_misses(rows: list[dict]) -> tuple[int, list[str]]:
     """(rows the goal applies to, what each missed)."""
     checked, misses = 0, []
     for r in rows:
-        label = f"{r['tokens']} tokens, CP {r['cp']}"
+        label = f"{r['tokens']} tokens, CP {r['cp']}, launch {r['launch_shape'][0]}:{r['launch_shape'][1]}"
         if not r["ok"]:
             misses.append(f"{label}: the fused store's bytes differ from SGLang's pool write")
         if r["speedup"] <= 1.0:
@@ -214,15 +233,16 @@ def goal_misses(rows: list[dict]) -> tuple[int, list[str]]:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = ["tokens", "CP", "MiB in", "fused us", "GB/s", "of copy", "(min-max)", "sglang us", "speedup", "(min-max)",
+    head = ["tokens", "CP", "launch", "MiB in", "fused us", "GB/s", "of copy", "(min-max)", "sglang us", "speedup", "(min-max)",
             "ok"]  # fmt: skip
-    body = [[r["tokens"], r["cp"], f"{r['mib_in']:.0f}", f"{r['fused_us']:.1f}", f"{r['gbps']:.0f}",
+    body = [[r["tokens"], r["cp"], "{}:{}".format(*r["launch_shape"]), f"{r['mib_in']:.0f}", f"{r['fused_us']:.1f}", f"{r['gbps']:.0f}",
              f"{r['of_copy']:.3f}", "{:.3f}-{:.3f}".format(*r["of_copy_range"]), f"{r['sglang_us']:.1f}",
              f"{r['speedup']:.1f}x", "{:.1f}-{:.1f}".format(*r["speedup_range"]), "ok" if r["ok"] else "BAD"]
             for r in rows]  # fmt: skip
-    print(format_table([head, *body], align="r" * 10 + "l", header_rule=True))
-    geo = math.exp(statistics.fmean(math.log(r["of_copy"]) for r in rows))
-    print(f"geometric mean: {geo:.3f} of copy")
+    print(format_table([head, *body], align="r" * 11 + "l", header_rule=True))
+    for shape in sorted({tuple(r["launch_shape"]) for r in rows}):
+        geo = math.exp(statistics.fmean(math.log(r["of_copy"]) for r in rows if tuple(r["launch_shape"]) == shape))
+        print(f"geometric mean, launch {shape[0]}:{shape[1]}: {geo:.3f} of copy")
 
 
 def machine(device: torch.device) -> dict:
@@ -239,17 +259,21 @@ def machine(device: torch.device) -> dict:
     return {"gpu": props.name, "gpu_count": torch.cuda.device_count(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "triton": triton.__version__, "python": sys.version.split()[0],
             "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"), "commit": commit,
-            "launch_shape": {"rows_per_program": fused.FP8_ROWS_PER_PROGRAM, "num_warps": fused.FP8_NUM_WARPS}}  # fmt: skip
+            "default_launch_shape": [fused.FP8_ROWS_PER_PROGRAM, fused.FP8_NUM_WARPS]}  # fmt: skip
 
 
-def dry_run(tokens: list[int], cp_sizes: list[int]) -> None:
+def dry_run(tokens: list[int], cp_sizes: list[int], shapes: list[tuple[int, int]] | None) -> None:
     """Both writes on CPU (Triton's interpreter, SGLang's interpreted quantizer): same bytes?"""
     bad = []
-    for t in tokens:
-        for n in cp_sizes:
-            ok = chunk_case(t, n, torch.device("cpu"))["same_bytes"]()
-            print(f"dry run: {t} tokens, CP {n}: {'same bytes' if ok else 'BYTES DIFFER'}", flush=True)
-            bad += [] if ok else [(t, n)]
+    for shape in shapes or [None]:
+        if shape:
+            use_shape(shape)
+        for t in tokens:
+            for n in cp_sizes:
+                ok = chunk_case(t, n, torch.device("cpu"))["same_bytes"]()
+                label = f"{t} tokens, CP {n}" + (f", launch {shape[0]}:{shape[1]}" if shape else "")
+                print(f"dry run: {label}: {'same bytes' if ok else 'BYTES DIFFER'}", flush=True)
+                bad += [] if ok else [label]
     sys.exit(f"{len(bad)} cases differ: {bad}" if bad else 0)
 
 
@@ -260,6 +284,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=100, help="timed runs per measurement (median)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed calls before each measurement")
     parser.add_argument("--repeats", type=int, default=5, help="times the whole table is measured")
+    parser.add_argument("--launch-shapes", type=parse_shapes, help="ROWS:WARPS,... of the fused kernel, each timed "
+                        "(default: the kernel's own)")  # fmt: skip
     parser.add_argument("--out", default=os.path.join(REPO, "benchmark", "results"))
     parser.add_argument("--dry-run", action="store_true", help="check both writes' bytes on CPU, time nothing")
     args = parser.parse_args()
@@ -268,7 +294,7 @@ def main() -> None:
 
         if not triton.knobs.runtime.interpret:
             sys.exit("--dry-run runs Triton's interpreter on CPU: set TRITON_INTERPRET=1 before starting")
-        dry_run(args.tokens, args.cp)
+        dry_run(args.tokens, args.cp, args.launch_shapes)
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py times CUDA kernels: run it on a GPU (or --dry-run on CPU)")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -277,19 +303,24 @@ def main() -> None:
     device = torch.device("cuda")
     info = machine(device)
     print(" ".join(f"{k}={v}" for k, v in info.items()), flush=True)
+    shapes = args.launch_shapes or [tuple(info["default_launch_shape"])]
     timer = Timer(args.iters, args.warmup, device)
     cases = {}
     for t in args.tokens:
         for n in args.cp:
             case = chunk_case(t, n, device)
-            case["ok"] = case["same_bytes"]()
+            case["ok"] = {}
+            for shape in shapes:  # every launch shape writes SGLang's bytes
+                use_shape(shape)
+                case["ok"][shape] = case["same_bytes"]()
             cases[t, n] = case
-    repeats = {key: [] for key in cases}
+    repeats = {(t, n, shape): [] for t, n in cases for shape in shapes}
     for r in range(args.repeats):  # whole-table repeats: a slow first pass shows as spread, not as the result
-        for key, case in cases.items():
-            repeats[key].append(measure(case, timer, device))
+        for t, n, shape in repeats:
+            use_shape(shape)
+            repeats[t, n, shape].append(measure(cases[t, n], timer, device))
         print(f"repeat {r + 1}/{args.repeats} done", flush=True)
-    rows = [summarize(t, n, cases[t, n], repeats[t, n]) for t, n in cases]
+    rows = [summarize(t, n, shape, cases[t, n], reps) for (t, n, shape), reps in repeats.items()]
     print_table(rows)
     checked, misses = goal_misses(rows)
     print(f"goal: >= {GOAL_OF_COPY} of copy from {GOAL_MIN_MIB} MiB in ({checked} rows checked); same bytes as "

@@ -7,8 +7,8 @@
 #   bash scripts/gpu_run.sh server [scripts/sglang_server_check.py arguments...]
 #
 # `server` starts SGLang's real servers with the flag on this GPU (docs/sglang_gpu_server.md) and
-# checks them over HTTP against a non-CP oracle; by default bf16 and fp8 KV at CP 2 and 4 and a
-# 100k-token prompt that only the shared-KV prefill can hold (arguments add to or change that).
+# checks them over HTTP against a non-CP oracle; by default bf16 and fp8 KV at CP 2 and 4 (two at
+# a time) and a 100k-token prompt that only the shared-KV prefill can hold (arguments add to or change that).
 #
 # `tests` runs the GPU suite, nsa-cp-test-1-gpu-h200 (SGLang's forward over NCCL, the sharded pool
 # gathering history with SGLang's PyNccl communicator; a GPU per rank where there are enough, else

@@ -2,7 +2,7 @@
 non-CP oracle: the GPU run of `bash scripts/gpu_run.sh server` (one H200, every CP rank on GPU 0
 over NCCL), and the same checks on CPU (`--device cpu`, the CPU servers of docs/sglang_cpu_server.md).
 
-For each configuration KV_DTYPE:CP (run side by side, one cluster each: a PD prefill at CP with
+For each configuration KV_DTYPE:CP (--at-once of them side by side, one cluster each: a PD prefill at CP with
 the flag, the same prefill without it, a decode, a non-CP oracle, SGLang's router in front of the
 shared-KV prefill and the decode) it sends greedy requests through the three paths and records:
 - tokens for a one-page, a multi-page and a chunked prompt, a radix hit (SGLang's cached-token
@@ -22,6 +22,7 @@ unless every path gave the oracle's tokens and the long prompt went as expected.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -32,27 +33,18 @@ import tempfile
 import threading
 import time
 import traceback
-from concurrent import futures
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test"))
 
 NEW_TOKENS = 6
 GPU_CONFIGS = ["bfloat16:2", "bfloat16:4", "fp8_e4m3:2", "fp8_e4m3:4"]
-
-
-def _three_paths(cluster, S, ids, new_tokens=NEW_TOKENS, timeout_s=300):
-    """The same greedy request through the shared-KV PD (router), the replicated PD and the oracle."""
-    with futures.ThreadPoolExecutor(3) as pool:
-        shared = pool.submit(S.generate, cluster.router_url, ids, new_tokens, timeout_s)
-        replicated = pool.submit(S.generate_pd, cluster.servers["replicated"], cluster.servers["decode"], ids,
-                                 new_tokens, timeout_s)  # fmt: skip
-        oracle = pool.submit(S.generate, cluster.servers["single"].url, ids, new_tokens, timeout_s)
-        _, rep = replicated.result()
-        if isinstance(rep, Exception):
-            raise rep
-        return {"shared": shared.result()["output_ids"], "replicated": rep["output_ids"],
-                "oracle": oracle.result()["output_ids"]}  # fmt: skip
+# The configurations share one GPU. Four clusters at once (32 processes) ran an H200 out of memory
+# (benchmark/results/sglang_server_check_1xh200_run{4,5}.*: oracles on their long prompts, then
+# a prefill mid-request): --at-once 2 by default.
+# A long prompt's oracle needs GBs for a moment (SGLang's unfused top-k over 8,192 x 100k logits), so
+# the long prompts also take turns, each cluster stopping before the next one's turn.
+LONG_PROMPT_TURN = threading.Lock()
 
 
 def _cached_tokens_since(server, mark: int) -> list[int]:
@@ -81,7 +73,7 @@ def run_requests(cluster, S, page: int, chunk: int, context: int) -> list[dict]:
             if name == "abort":
                 row.update(_abort(cluster, S, ids, context))
             else:
-                row.update(_three_paths(cluster, S, ids))
+                row.update(S.three_paths(cluster, ids, NEW_TOKENS, timeout_s=300))
                 row["equal"] = row["shared"] == row["replicated"] == row["oracle"] and len(row["oracle"]) > 0
             if name == "radix: hit":
                 row["shared_cached_tokens"] = max(_cached_tokens_since(shared, mark), default=0)
@@ -153,11 +145,12 @@ def run_config(result: dict, args) -> None:
         context = S.MODEL["max_position_embeddings"]
     result["workdir"] = str(cluster.workdir)
     try:
-        with cluster.running(timeout_s=args.startup_timeout_s):
+        with contextlib.ExitStack() as turn, cluster.running(timeout_s=args.startup_timeout_s):
             result["startup_s"] = round(cluster.startup_s, 1)
             result["requests"] = run_requests(cluster, S, page, chunk, context)
             result["capacity"] = {name: demo.capacity(cluster.servers[name]) for name in ("shared", "replicated")}
             if args.long_prompt and args.device == "cuda":
+                turn.enter_context(LONG_PROMPT_TURN)  # released after the servers stop
                 result["long_prompt"] = long_prompt(cluster, S, min(args.long_prompt, cp * per_rank - 4 * chunk))
             result["stand_ins"] = {name: _stand_ins(p) for name, p in cluster.servers.items()}
     except Exception as e:  # noqa: BLE001 -- what failed goes to the table (which server, its log's end), all to JSON
@@ -208,6 +201,7 @@ def main(argv=None) -> int:
                    "on cuda, bfloat16:2 on cpu)")  # fmt: skip
     p.add_argument("--long-prompt", type=int, help="tokens of the long prompt (cuda only; default 100000; 0: none)")
     p.add_argument("--startup-timeout-s", type=float, default=400)
+    p.add_argument("--at-once", type=int, default=2, help="configurations running side by side (default 2)")
     p.add_argument("--deadline-s", type=float, default=3000, help="report what finished by then, and stop")
     p.add_argument("--out", default="benchmark/results")
     args = p.parse_args(argv)
@@ -220,6 +214,8 @@ def main(argv=None) -> int:
         if kv not in ("bfloat16", "fp8_e4m3") or not cp.isdigit() or int(cp) < 2:
             p.error(f"--configs {c!r}: expected bfloat16:N or fp8_e4m3:N with N >= 2")
         configs.append((kv, int(cp)))
+    if args.at_once < 1:
+        p.error(f"--at-once {args.at_once}: expected 1 or more")
     if not gpu and configs != [("bfloat16", 2)]:
         p.error(f"--device cpu runs bfloat16:2 only (the CPU servers' roles), got {' '.join(args.configs)}")
     t0 = time.monotonic()
@@ -227,7 +223,13 @@ def main(argv=None) -> int:
     from transformers import PreTrainedTokenizerFast  # noqa: F401
 
     results = [{"kv_cache_dtype": kv, "cp": cp} for kv, cp in configs]
-    threads = [threading.Thread(target=run_config, args=(r, args), daemon=True) for r in results]
+    slots = threading.Semaphore(args.at_once)
+
+    def in_turn(result: dict) -> None:
+        with slots:
+            run_config(result, args)
+
+    threads = [threading.Thread(target=in_turn, args=(r,), daemon=True) for r in results]
     for t in threads:
         t.start()
     for t, r in zip(threads, results):

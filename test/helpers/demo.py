@@ -115,13 +115,7 @@ def run_requests(cluster) -> list[dict]:
     for length in PROMPT_LENGTHS:
         ids = S.prompt_ids(length, seed=length)
         t = stage(f"request of {length} tokens: shared-KV PD (router), replicated PD, oracle")
-        shared = S.generate(cluster.router_url, ids, NEW_TOKENS)["output_ids"]
-        _, replicated = S.generate_pd(cluster.servers["replicated"], cluster.servers["decode"], ids, NEW_TOKENS)
-        if isinstance(replicated, Exception):
-            raise replicated
-        oracle = S.generate(cluster.servers["single"].url, ids, NEW_TOKENS)["output_ids"]
-        rows.append(dict(length=length, shared=shared, replicated=replicated["output_ids"], oracle=oracle,
-                         seconds=time.monotonic() - t))  # fmt: skip
+        rows.append(dict(length=length, **S.three_paths(cluster, ids, NEW_TOKENS), seconds=time.monotonic() - t))
     return rows
 
 

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -562,6 +563,33 @@ def generate_pd(prefill: Server, decode: Server, input_ids: list[int], max_new_t
     for t in threads:
         t.join()
     return answers["prefill"], answers["decode"]
+
+
+def three_paths(cluster: Cluster, input_ids: list[int], max_new_tokens: int, timeout_s: float = 120) -> dict:
+    """The same greedy request at once through the shared-KV PD (the cluster's router), the
+    replicated PD (`generate_pd`) and the non-CP oracle ("single"). Returns each path's output ids:
+    {"shared": [...], "replicated": [...], "oracle": [...]}. A path that fails raises
+    AssertionError naming it, with the end of every server's log."""
+    replicated, decode = cluster.servers["replicated"], cluster.servers["decode"]
+    calls = {
+        "shared": lambda: generate(cluster.router_url, input_ids, max_new_tokens, timeout_s),
+        "replicated": lambda: generate_pd(replicated, decode, input_ids, max_new_tokens, timeout_s)[1],
+        "oracle": lambda: generate(cluster.servers["single"].url, input_ids, max_new_tokens, timeout_s),
+    }
+    with futures.ThreadPoolExecutor(len(calls)) as pool:
+        answers = {path: pool.submit(call) for path, call in calls.items()}
+        out = {}
+        for path, answer in answers.items():
+            try:
+                result = answer.result()
+                if isinstance(result, Exception):  # generate_pd hands back the decode's failure
+                    raise result
+                out[path] = result["output_ids"]
+            except requests.RequestException as e:
+                raise AssertionError(
+                    f"{path} path, prompt of {len(input_ids)} tokens: {e!r}\n{cluster.log_tails()}"
+                ) from e
+    return out
 
 
 def complete(url: str, prompt: str | list[int], max_tokens: int, timeout_s: float = 120) -> dict:
