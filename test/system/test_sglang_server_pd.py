@@ -1,5 +1,6 @@
-"""CPU, ~3-4 min (real servers, ~15 processes on 2 cores): `python -m sglang.launch_server` with
-`--enable-nsa-prefill-cp-shared-kv` on a PD prefill, over HTTP, checked against oracle servers.
+"""CPU, ~4-6 min (real servers, ~15 processes on 2 cores): `python -m sglang.launch_server` with
+`--enable-nsa-prefill-cp-shared-kv` on a PD prefill, over HTTP, checked against oracle servers,
+three multi-chunk prompts at once through SGLang's Mooncake manager among them.
 
 Servers (test/helpers/sglang_servers.py; all on a tiny DeepSeek-V3.2 checkpoint written here, CPU
 stand-ins from a test-only plugin, docs/sglang_cpu_server.md):
@@ -24,6 +25,7 @@ import concurrent.futures as futures  # noqa: E402
 import re  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 
 import pytest  # noqa: E402
@@ -33,32 +35,36 @@ from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 from helpers import sglang_servers as S  # noqa: E402
 from helpers.listeners import is_wildcard, listening_sockets  # noqa: E402
 
-register_cpu_ci(est_time=240, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=330, suite="nsa-cp-test-cpu")
 
 NEW_TOKENS = 6
 
 
+# The decode counts SGLANG_DISAGGREGATION_WAITING_TIMEOUT from the moment it pre-allocates a room
+# until the prefill's last chunk lands; with several long prompts at once the prefill works through
+# them in turn, and on a loaded machine the last room waited past the default 120 s (load 20).
+ENV = {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "600"}
+# What a failed or stuck transfer leaves in a log after start-up: SGLang's prefill transfer worker
+# and decode receiver (KVTransferError, "Failed to send kv chunk / aux data ...", "Session ...
+# failed"), its timeouts, and Mooncake's own complaints (any glog error line "E<mmdd> ...", its TCP
+# lanes' queue-full rejections).
+TRANSFER_FAILURE = (r"(?i)KVTransferError|Failed to send|Session \S+ failed|transfer failed|timed out|"
+                    r"Transfer thread failed|^E\d{4} |queue-full|rejection count|lane failure")  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with S.Cluster(tmp_path_factory.mktemp("sglang_pd_cpu")).running() as cluster:
-        yield cluster
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in ENV.items():
+            patch.setitem(S.SERVER_ENV, key, value)
+        with S.Cluster(tmp_path_factory.mktemp("sglang_pd_cpu")).running() as cluster:
+            yield cluster
 
 
-def _three_paths(cluster, ids, new_tokens=NEW_TOKENS):
-    """The same greedy request through the shared-KV PD (router), the replicated PD and the
-    single server, concurrently. Returns the three output id lists."""
-    with futures.ThreadPoolExecutor(3) as pool:
-        shared = pool.submit(S.generate, cluster.router_url, ids, new_tokens)
-        replicated = pool.submit(
-            S.generate_pd, cluster.servers["replicated"], cluster.servers["decode"], ids, new_tokens
-        )
-        single = pool.submit(S.generate, cluster.servers["single"].url, ids, new_tokens)
-        try:
-            _, rep_decode = replicated.result()
-            assert isinstance(rep_decode, dict), f"replicated PD failed: {rep_decode!r}"
-            return shared.result()["output_ids"], rep_decode["output_ids"], single.result()["output_ids"]
-        except (AssertionError, requests.RequestException) as e:
-            raise AssertionError(f"{e!r}\n{cluster.log_tails()}") from e
+def _three_paths(cluster, ids):
+    """Output ids of the shared-KV PD (router), the replicated PD and the single server, at once."""
+    paths = S.three_paths(cluster, ids, NEW_TOKENS)
+    return paths["shared"], paths["replicated"], paths["oracle"]
 
 
 def _assert_same(where, shared, replicated, single):
@@ -194,6 +200,53 @@ def test_concurrent_requests_of_mixed_lengths_match_the_oracles(cluster):
     want = S.complete(cluster.servers["single"].url, prompt, NEW_TOKENS)
     assert got["choices"][0]["text"] == want["choices"][0]["text"], (got, want)
     assert got["usage"]["completion_tokens"] == NEW_TOKENS
+
+
+def test_long_prompts_at_once_commit_over_mooncake_and_give_every_page_back(cluster):
+    """Three multi-chunk prompts at once through the shared-KV PD (the router's way, by the client)
+    with SGLang's MooncakeKVManager over Mooncake's TCP transport at Mooncake's default queue limits
+    (nothing MC_TCP_* is set): each commits with the oracle's tokens; the rooms overlapped (the
+    decode held all three at once, from /v1/loads every 0.2 s); both PD servers end idle with
+    every page back (SGLang's load report and idle leak check); no server logged a transfer
+    failure, SGLang's or Mooncake's. Thousands of pages per room go through the same classes
+    without the model in test_pd_many_pages.py (docs/sglang_cpu_server_pd_concurrent.md)."""
+    shared, decode, single = (cluster.servers[n] for n in ("shared", "decode", "single"))
+    marks = {s.name: _log_mark(s) for s in (shared, decode)}
+    lengths = (380, 330, 290)  # 3 chunks of 128 each, distinct, not page-aligned
+    prompts = [S.prompt_ids(n, seed=1000 + n) for n in lengths]
+    peak, stop = [0], threading.Event()
+
+    def sample():  # rooms the decode held at once: pre-allocated, receiving KV or decoding
+        while not stop.wait(0.2):
+            try:
+                (load,) = requests.get(decode.url + "/v1/loads", timeout=10).json()["loads"]
+            except (requests.RequestException, ValueError):
+                continue
+            queues = load.get("disaggregation") or {}
+            held = queues.get("decode_prealloc_queue_reqs", 0) + queues.get("decode_transfer_queue_reqs", 0)
+            peak[0] = max(peak[0], held + load["num_running_reqs"])
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    t0 = time.monotonic()
+    try:
+        with futures.ThreadPoolExecutor(2 * len(prompts)) as pool:
+            pd = [pool.submit(S.generate_pd, shared, decode, ids, NEW_TOKENS, 300) for ids in prompts]
+            oracle = [pool.submit(S.generate, single.url, ids, NEW_TOKENS, 300) for ids in prompts]
+            answers = [(p.result()[1], o.result()) for p, o in zip(pd, oracle)]
+    finally:
+        stop.set()
+        sampler.join()
+    print(f"{len(prompts)} prompts of {lengths} tokens at once: {time.monotonic() - t0:.0f} s; the decode held up "
+          f"to {peak[0]} rooms at once")  # fmt: skip
+    for n, (got, want) in zip(lengths, answers):
+        assert isinstance(got, dict), f"PD prompt of {n} tokens: {got!r}\n{cluster.log_tails()}"
+        assert want["output_ids"] and got["output_ids"] == want["output_ids"], f"prompt of {n} tokens: {got} != {want}"
+    assert peak[0] >= len(prompts), f"the decode never held {len(prompts)} rooms at once (at most {peak[0]})"
+    for server in (shared, decode):
+        _wait_idle(server, marks[server.name])
+    failures = {s.name: _log_lines_since(s, marks[s.name], TRANSFER_FAILURE) for s in (shared, decode)}
+    assert not any(failures.values()), f"transfer failures logged: {failures}"
 
 
 def test_long_prompt_prefilled_in_several_chunks(cluster):

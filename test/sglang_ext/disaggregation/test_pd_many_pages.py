@@ -4,8 +4,8 @@ of pages per room, in the owned-page PD harness (`helpers/sglang_pd_harness.py`)
 pool filled with a byte pattern of (page, layer, kind), the KV manager from SGLang's own
 `PrefillBootstrapQueue._init_kv_manager`, each request served in its own thread by a
 `MooncakeKVSender` sending chunk after chunk), over Mooncake's TCP transport on 127.0.0.1, the
-PD secret set. No model forward: the real servers (test/system/test_sglang_server_pd_concurrent.py)
-reach only ~60 pages a prompt on 2 cores; the transfer itself is not the slow part.
+PD secret set. No model forward: the real servers (test/system/test_sglang_server_pd.py, three
+prompts at once) reach only a few pages a prompt on 2 cores; the transfer itself is not the slow part.
 
 Two prefill CP ranks serve two decodes at once (SGLang's `DecodePreallocQueue._init_kv_manager`;
 each sends the metadata of all its rooms before it polls any, as a decode pre-allocates the rooms
