@@ -37,23 +37,35 @@ import random  # noqa: E402
 import struct  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
 from typing import NamedTuple  # noqa: E402
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from helpers import sglang_pd_harness as PD  # noqa: E402
+from helpers.status_guard_decode import (  # noqa: E402
+    ABORT_GENERATION,
+    AUX_INDEX,
+    EARLIER,
+    ITEM_LENS,
+    NOW,
+    ROOM,
+    SECRET,
+    SLOTS,
+    AuxBuffers,
+    DecodeThread,
+    aux_message,
+    decode_manager,
+    idle_manager,
+    make_receiver,
+    metadata_message,
+    rank_claims,
+    status_message,
+    success_message,
+    wait_for,
+)
 
 register_cpu_ci(est_time=120, suite="nsa-cp-test-cpu")
-
-SECRET = b"status-guard-test-secret-0123456789"
-ROOM, AUX_INDEX = 7, 3  # the room in flight and the aux slot this decode gave it
-NOW, EARLIER = b"n" * 16, b"e" * 16  # this use's nonce, an earlier use's
-ABORT_GENERATION = 5  # the abort the decode holds ROOM for (SGLang's deferred release)
-ITEM_LENS, SLOTS = (8, 4), 16  # the in-process decode's two aux buffers: 16 slots of 8 and of 4 bytes
-NEIGHBOR_BYTES = 256  # what lies after them in memory
 
 
 class Case(NamedTuple):
@@ -61,23 +73,6 @@ class Case(NamedTuple):
     msg: list
     reason: str  # a piece of the reason the guard must give
     needs: str = "any"  # "secret": hostile only to a decode with the secret; "staging": only with staging on
-
-
-def _aux(room, buffer, index, data, declared=None):
-    return [b"AUX_DATA", b"%d" % room, b"%d" % buffer, index, struct.pack(">I", len(data) if declared is None else declared), data]  # fmt: skip
-
-
-def _status(room, status, rank, *extra):
-    return [b"%d" % room, b"%d" % status, b"%d" % rank, *extra]
-
-
-def _claims(rank, pages=4):
-    from sglang_nsa_cp.disagg import PageClaims
-    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import RankClaims
-
-    positions = tuple(range(rank, pages, 2))
-    claims = PageClaims(rank, 2, pages, positions, tuple(10 + k for k in positions))
-    return RankClaims(kv=claims, index=claims)
 
 
 def hostile_messages(room, aux_index, kv_args, pages=4, use=NOW) -> list[Case]:
@@ -89,31 +84,31 @@ def hostile_messages(room, aux_index, kv_args, pages=4, use=NOW) -> list[Case]:
 
     item, slots, buffers = kv_args.aux_item_lens[0], kv_args.aux_data_lens[0] // kv_args.aux_item_lens[0], len(kv_args.aux_data_ptrs)  # fmt: skip
     data, idx, other = b"\xab" * item, b"%d" % aux_index, room + 10**6
-    good_aux = _aux(room, 0, idx, data)
-    manifest = encode_manifest(_claims(1, pages), room, 1, SECRET, uses=[use])
-    failed = _status(room, 0, 1, b"rank 1 failed")
+    good_aux = aux_message(room, 0, idx, data)
+    manifest = encode_manifest(rank_claims(1, pages), room, 1, SECRET, uses=[use])
+    failed = status_message(room, 0, 1, b"rank 1 failed")
     chunk = [b"CHUNK_READY", b"%d" % room, b"0", b"0", b"1", b"writer", b"0"]
     staging = [b"STAGING_REQ", b"%d" % room, b"0", b"1", b"session"]
     return [
         # AUX_DATA: SGLang writes data at aux_data_ptrs[buffer] + item_len * index, unchecked
-        Case("aux index one past the buffer", _aux(room, 0, b"%d" % slots, data), f"aux index {slots} is out of range (0..{slots - 1})"),  # fmt: skip
-        Case("aux index far past the buffer", _aux(room, 0, b"1000000000", data), "aux index 1000000000 is out of range"),
-        Case("negative aux index", _aux(room, 0, b"-1", data), "aux index b'-1' is not a decimal number"),
-        Case("aux index not a number", _aux(room, 0, b"three", data), "is not a decimal number"),
-        Case("aux index int() takes: '0_3'", _aux(room, 0, b"0_3", data), "is not a decimal number"),
-        Case("aux index int() takes: ' 3'", _aux(room, 0, b" 3", data), "is not a decimal number"),
-        Case("aux index in Arabic-Indic digits", _aux(room, 0, "٣".encode(), data), "is not a decimal number"),
-        Case("aux index of 25 digits", _aux(room, 0, b"9" * 25, data), "aux index of 25 digits"),
-        Case("aux buffer index past the buffers", _aux(room, buffers, idx, data), f"aux buffer index {buffers} is out of range"),  # fmt: skip
+        Case("aux index one past the buffer", aux_message(room, 0, b"%d" % slots, data), f"aux index {slots} is out of range (0..{slots - 1})"),  # fmt: skip
+        Case("aux index far past the buffer", aux_message(room, 0, b"1000000000", data), "aux index 1000000000 is out of range"),
+        Case("negative aux index", aux_message(room, 0, b"-1", data), "aux index b'-1' is not a decimal number"),
+        Case("aux index not a number", aux_message(room, 0, b"three", data), "is not a decimal number"),
+        Case("aux index int() takes: '0_3'", aux_message(room, 0, b"0_3", data), "is not a decimal number"),
+        Case("aux index int() takes: ' 3'", aux_message(room, 0, b" 3", data), "is not a decimal number"),
+        Case("aux index in Arabic-Indic digits", aux_message(room, 0, "٣".encode(), data), "is not a decimal number"),
+        Case("aux index of 25 digits", aux_message(room, 0, b"9" * 25, data), "aux index of 25 digits"),
+        Case("aux buffer index past the buffers", aux_message(room, buffers, idx, data), f"aux buffer index {buffers} is out of range"),  # fmt: skip
         Case("AUX_DATA room not a number", [b"AUX_DATA", b"seven", *good_aux[2:]], "room b'seven' is not a decimal number"),
         Case("AUX_DATA of 1 frame", [b"AUX_DATA"], "AUX_DATA of 1 frames (6 expected)"),
         Case("AUX_DATA of 5 frames", good_aux[:5], "AUX_DATA of 5 frames (6 expected)"),
         Case("AUX_DATA of 7 frames", good_aux + [b""], "AUX_DATA of 7 frames (6 expected)"),
         Case("length frame of 3 bytes", good_aux[:4] + [b"\x00\x00\x08", data], "a data length frame of 3 bytes"),
-        Case("declared length differs", _aux(room, 0, idx, data, declared=item + 1), f"{item} data bytes, {item + 1} declared"),  # fmt: skip
-        Case("oversized aux data", _aux(room, 0, idx, data + b"\xab" * 4096), f"{item + 4096} data bytes for an aux slot of {item}"),  # fmt: skip
-        Case("another slot than the room's", _aux(room, 0, b"%d" % ((aux_index + 1) % slots), data), f"this decode gave room {room} aux index {aux_index}"),  # fmt: skip
-        Case("AUX_DATA for a room not asked for", _aux(other, 0, idx, data), f"AUX_DATA for room {other}, which this decode gave no aux index"),  # fmt: skip
+        Case("declared length differs", aux_message(room, 0, idx, data, declared=item + 1), f"{item} data bytes, {item + 1} declared"),  # fmt: skip
+        Case("oversized aux data", aux_message(room, 0, idx, data + b"\xab" * 4096), f"{item + 4096} data bytes for an aux slot of {item}"),  # fmt: skip
+        Case("another slot than the room's", aux_message(room, 0, b"%d" % ((aux_index + 1) % slots), data), f"this decode gave room {room} aux index {aux_index}"),  # fmt: skip
+        Case("AUX_DATA for a room not asked for", aux_message(other, 0, idx, data), f"AUX_DATA for room {other}, which this decode gave no aux index"),  # fmt: skip
         # CHUNK_READY and STAGING_REQ: staging messages (SGLang asserts on a STAGING_REQ without staging)
         Case("CHUNK_READY without staging", chunk, "CHUNK_READY on a decode without staging"),
         Case("CHUNK_READY garbage without staging", [b"CHUNK_READY", b"\xff"], "CHUNK_READY on a decode without staging"),
@@ -141,21 +136,21 @@ def hostile_messages(room, aux_index, kv_args, pages=4, use=NOW) -> list[Case]:
         Case("status of 7 frames", failed + [b""] * 3, "a status of 7 frames"),
         Case("room not ASCII", [b"\xff\xfe", b"4", b"0"], "room b'\\xff\\xfe' is not a decimal number"),  # fmt: skip
         Case("status not a number", [b"%d" % room, b"Success", b"0"], "status b'Success' is not a decimal number"),
-        Case("status not a KVPoll value", _status(room, 9, 0), "status 9 is not a KVPoll value"),
-        Case("status past a byte", _status(room, 300, 0), "status 300 is out of range (0..255)"),
+        Case("status not a KVPoll value", status_message(room, 9, 0), "status 9 is not a KVPoll value"),
+        Case("status past a byte", status_message(room, 300, 0), "status 300 is out of range (0..255)"),
         Case("room past 63 bits", [b"9" * 19, b"4", b"0"], "room 9999999999999999999 is out of range"),
         Case("room of 5000 digits", [b"9" * 5000, b"4", b"0"], "room of 5000 digits"),
-        Case("prefill rank 2^20", _status(room, 4, 1 << 20), "prefill rank 1048576 is out of range (0..65535)"),
-        Case("status for a room not waiting", _status(other, 0, 0, b"forged"), f"a Failed status for room {other}, which is not waiting on this decode"),  # fmt: skip
-        Case("oversized reason", _status(room, 0, 0, b"x" * (20 << 10)), "a failure reason of 20480 bytes"),
-        Case("unknown extra frame", _status(room, 0, 0, b"", b"extra"), "neither a manifest nor a status signature"),
-        Case("manifest on a Failed", _status(room, 0, 1, b"", manifest), "a manifest on a Failed status"),
+        Case("prefill rank 2^20", status_message(room, 4, 1 << 20), "prefill rank 1048576 is out of range (0..65535)"),
+        Case("status for a room not waiting", status_message(other, 0, 0, b"forged"), f"a Failed status for room {other}, which is not waiting on this decode"),  # fmt: skip
+        Case("oversized reason", status_message(room, 0, 0, b"x" * (20 << 10)), "a failure reason of 20480 bytes"),
+        Case("unknown extra frame", status_message(room, 0, 0, b"", b"extra"), "neither a manifest nor a status signature"),
+        Case("manifest on a Failed", status_message(room, 0, 1, b"", manifest), "a manifest on a Failed status"),
         # with the secret: a Success proves itself by its manifest, anything else by its signature
-        Case("Success without a manifest", _status(room, 4, 1, b""), "a Success without an owned-page manifest", "secret"),  # fmt: skip
-        Case("Success, manifest of another key", _status(room, 4, 1, b"", encode_manifest(_claims(1, pages), room, 1, b"k" * 32, uses=[use])), "bad MAC", "secret"),  # fmt: skip
-        Case("Success, unsigned manifest", _status(room, 4, 1, b"", encode_manifest(_claims(1, pages), room, 1, None, uses=[use])), "does not sign", "secret"),  # fmt: skip
-        Case("Success, manifest of rank 0 as rank 1", _status(room, 4, 1, b"", encode_manifest(_claims(0, pages), room, 0, SECRET, uses=[use])), "bad MAC", "secret"),  # fmt: skip
-        Case("Success replayed from an earlier use", _status(room, 4, 1, b"", encode_manifest(_claims(1, pages), room, 1, SECRET, uses=[EARLIER])), "a replay", "secret"),  # fmt: skip
+        Case("Success without a manifest", status_message(room, 4, 1, b""), "a Success without an owned-page manifest", "secret"),  # fmt: skip
+        Case("Success, manifest of another key", status_message(room, 4, 1, b"", encode_manifest(rank_claims(1, pages), room, 1, b"k" * 32, uses=[use])), "bad MAC", "secret"),  # fmt: skip
+        Case("Success, unsigned manifest", status_message(room, 4, 1, b"", encode_manifest(rank_claims(1, pages), room, 1, None, uses=[use])), "does not sign", "secret"),  # fmt: skip
+        Case("Success, manifest of rank 0 as rank 1", status_message(room, 4, 1, b"", encode_manifest(rank_claims(0, pages), room, 0, SECRET, uses=[use])), "bad MAC", "secret"),  # fmt: skip
+        Case("Success replayed from an earlier use", status_message(room, 4, 1, b"", encode_manifest(rank_claims(1, pages), room, 1, SECRET, uses=[EARLIER])), "a replay", "secret"),  # fmt: skip
         Case("Failed, unsigned", failed, "an unsigned Failed status", "secret"),
         Case("Failed, signed with another key", failed + [sign_status(b"k" * 32, room, 1, 0, failed[3], [use])], "bad MAC", "secret"),  # fmt: skip
         Case("Failed, reason altered", failed + [sign_status(SECRET, room, 1, 0, b"other reason", [use])], "bad MAC", "secret"),  # fmt: skip
@@ -172,14 +167,18 @@ def good_messages(room, aux_index, kv_args, pages=4, secret=None) -> dict[str, l
 
     reason = b"rank 1 failed"
     return {
-        "AUX_DATA of the room's slot": _aux(room, 0, b"%d" % aux_index, b"\x11" * kv_args.aux_item_lens[0]),
-        "AUX_DATA, the last buffer": _aux(room, len(kv_args.aux_data_ptrs) - 1, b"%d" % aux_index, b"\x22"),
+        "AUX_DATA of the room's slot": aux_message(room, 0, b"%d" % aux_index, b"\x11" * kv_args.aux_item_lens[0]),
+        "AUX_DATA, the last buffer": aux_message(room, len(kv_args.aux_data_ptrs) - 1, b"%d" % aux_index, b"\x22"),
         "ABORT_ACK": [b"ABORT_ACK", b"%d" % room, b"1", b"%d" % ABORT_GENERATION],
-        "Success of rank 0": _status(room, 4, 0, b"", encode_manifest(_claims(0, pages), room, 0, secret, uses=[NOW])),
-        "Success of rank 1, two destinations": _status(
-            room, 4, 1, b"", encode_manifest(_claims(1, pages), room, 1, secret, uses=[EARLIER, NOW])
+        "Success of rank 0": status_message(
+            room, 4, 0, b"", encode_manifest(rank_claims(0, pages), room, 0, secret, uses=[NOW])
         ),
-        "Failed": _status(room, 0, 1, reason, *([sign_status(secret, room, 1, 0, reason, [NOW])] if secret else [])),
+        "Success of rank 1, two destinations": status_message(
+            room, 4, 1, b"", encode_manifest(rank_claims(1, pages), room, 1, secret, uses=[EARLIER, NOW])
+        ),
+        "Failed": status_message(
+            room, 0, 1, reason, *([sign_status(secret, room, 1, 0, reason, [NOW])] if secret else [])
+        ),
     }
 
 
@@ -198,11 +197,11 @@ def valid_messages(room, aux_index, kv_args) -> list[list]:
     """One well-formed message of each kind for `room`, waiting on a decode without the secret
     that gave it aux slot `aux_index` (CHUNK_READY and STAGING_REQ: with staging)."""
     return [
-        _aux(room, 0, b"%d" % aux_index, b"\x33" * kv_args.aux_item_lens[0]),
+        aux_message(room, 0, b"%d" % aux_index, b"\x33" * kv_args.aux_item_lens[0]),
         [b"CHUNK_READY", b"%d" % room, b"0", b"0", b"1", b"writer", b"0"],
         [b"STAGING_REQ", b"%d" % room, b"0", b"1", b"session", b"0"],
         [b"ABORT_ACK", b"%d" % room, b"1", b"%d" % ABORT_GENERATION],
-        _status(room, 0, 1, b"reason"),
+        status_message(room, 0, 1, b"reason"),
     ]
 
 
@@ -233,52 +232,7 @@ def mutated_messages(room, kv_args, aux_index, per_kind=30, seed=0) -> list[list
     return out
 
 
-# ---- a decode manager in process ---------------------------------------------------------------------
-class _AuxBuffers:
-    """Two aux buffers of SLOTS slots (ITEM_LENS bytes each) and, after them in the same memory,
-    a neighbor region standing for whatever tensor the allocator put next."""
-
-    def __init__(self):
-        sizes = [SLOTS * n for n in ITEM_LENS]
-        self.backing = np.zeros(sum(sizes) + NEIGHBOR_BYTES, dtype=np.uint8)
-        base = self.backing.ctypes.data
-        self.kv_args = SimpleNamespace(
-            aux_data_ptrs=[base, base + sizes[0]], aux_data_lens=sizes, aux_item_lens=list(ITEM_LENS),
-            kv_data_lens=[64 * 1024], kv_item_lens=[1024],
-        )  # fmt: skip
-        self.neighbor = self.backing[sum(sizes) :]
-
-    def slot(self, buffer, index):
-        start = self.kv_args.aux_data_ptrs[buffer] - self.backing.ctypes.data + index * ITEM_LENS[buffer]
-        return self.backing[start : start + ITEM_LENS[buffer]]
-
-
-def _manager(secret=None, staging=False, stock=False, aux=None):
-    """A decode manager of the plugin (SGLang's, `stock`) with the state SGLang's decode thread and
-    the guard read, and room ROOM in flight: aux slot AUX_INDEX, 4 pages from 2 CP ranks, nonce NOW."""
-    from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-
-    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn import OwnedPageKVManager
-    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import RoomExpectation
-    from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import DropLog
-
-    aux = aux or _AuxBuffers()
-    mgr = object.__new__(MooncakeKVManager if stock else OwnedPageKVManager)
-    mgr.__dict__.update(
-        disaggregation_mode=DisaggregationMode.DECODE, kv_args=aux.kv_args, kv_status_msg_tag=None,
-        request_status={ROOM: KVPoll.WaitingForInput}, prefill_response_tracker={ROOM: set()},
-        required_prefill_response_num_table={ROOM: 2}, failure_records={}, failure_lock=threading.Lock(),
-        enable_staging=staging, _staging_handler=object() if staging else None, defer_decode_allocation=False,
-        deferred_bootstrap=None, enable_deferred_decode_kv_release=False,
-        _deferred_abort_ack_tracker={ROOM: SimpleNamespace(generation=ABORT_GENERATION, prefill_ranks=set())},
-        _deferred_ack_targets={}, _deferred_ack_poisoned_rooms=set(), _staging_outstanding={},
-        owned_pages_ledger=None, outgoing_manifests={}, manifest_inbox={}, room_manifests={},
-        room_expectations={ROOM: RoomExpectation(4, 4, 2)}, room_nonces={ROOM: NOW}, room_aux_indices={ROOM: AUX_INDEX},
-        destination_nonces={}, pd_secret=secret, dropped_messages=DropLog(),
-    )  # fmt: skip
-    return mgr
+# ---- the guard on a decode manager in process (helpers/status_guard_decode.py) -----------------------
 
 
 def test_every_hostile_message_gets_its_reason():
@@ -286,23 +240,25 @@ def test_every_hostile_message_gets_its_reason():
     to; good messages of every kind -> None, with and without the secret."""
     from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import decode_message_problem
 
-    aux = _AuxBuffers()
+    aux = AuxBuffers()
     cases = hostile_messages(ROOM, AUX_INDEX, aux.kv_args)
     kinds = {kind(c.msg) for c in cases}
     assert len(cases) >= 30 and len(kinds) == 5, (len(cases), kinds)
     for case in cases:
-        mgr = _manager(secret=SECRET if case.needs == "secret" else None, staging=case.needs == "staging", aux=aux)
+        mgr = decode_manager(
+            secret=SECRET if case.needs == "secret" else None, staging=case.needs == "staging", aux=aux
+        )
         start = time.monotonic()
         problem = decode_message_problem(mgr, case.msg)
         assert time.monotonic() - start < 0.05, case.name
         assert problem is not None and case.reason in problem, f"{case.name}: {problem!r}"
         if case.needs == "secret":  # without the secret SGLang's rule applies: not the guard's business
-            assert decode_message_problem(_manager(aux=aux), case.msg) is None, case.name
+            assert decode_message_problem(decode_manager(aux=aux), case.msg) is None, case.name
     for secret in (None, SECRET):
         for name, msg in good_messages(ROOM, AUX_INDEX, aux.kv_args, secret=secret).items():
-            assert decode_message_problem(_manager(secret=secret, aux=aux), msg) is None, (name, secret)
-    assert decode_message_problem(_manager(), []) == "an empty message"
-    assert decode_message_problem(_manager(), [b"7", "4", b"0"]) == "a frame that is not bytes"
+            assert decode_message_problem(decode_manager(secret=secret, aux=aux), msg) is None, (name, secret)
+    assert decode_message_problem(decode_manager(), []) == "an empty message"
+    assert decode_message_problem(decode_manager(), [b"7", "4", b"0"]) == "a frame that is not bytes"
 
 
 def test_mutations_aimed_at_a_waiting_room_are_each_dropped_by_their_own_check():
@@ -311,9 +267,9 @@ def test_mutations_aimed_at_a_waiting_room_are_each_dropped_by_their_own_check()
     the guard checks the frame it changed; the test fails for any that gets through."""
     from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import decode_message_problem
 
-    aux = _AuxBuffers()
+    aux = AuxBuffers()
     for staging in (False, True):
-        mgr = _manager(staging=staging, aux=aux)
+        mgr = decode_manager(staging=staging, aux=aux)
         for msg in valid_messages(ROOM, AUX_INDEX, aux.kv_args):
             problem = decode_message_problem(mgr, msg)
             assert (problem is None) == (staging or kind(msg) not in ("CHUNK_READY", "STAGING_REQ")), (msg, problem)
@@ -340,7 +296,7 @@ def test_a_shared_kv_prefill_signs_what_the_guard_checks():
     )  # fmt: skip
     msg = prefill._encode_kv_status_message(bootstrap_room=ROOM, status=KVPoll.Failed, failure_reason="lost page 3")
     assert len(msg) == 5 and msg[:4] == [b"7", b"0", b"1", b"lost page 3"], msg
-    decode = _manager(secret=SECRET)
+    decode = decode_manager(secret=SECRET)
     assert decode_message_problem(decode, msg) is None
     assert "bad MAC" in decode_message_problem(decode, msg[:3] + [b"no page lost"] + msg[4:])
     decode.defer_decode_allocation = True  # where SGLang acts on a WaitingForInput
@@ -359,55 +315,21 @@ def test_drops_are_logged_at_most_once_per_10_s_with_the_claimed_origin(caplog):
     with caplog.at_level(logging.WARNING, logger="sglang_nsa_cp.sglang_ext.disaggregation.status_guard"):
         for t in (0.0, 1.0, 9.9, 10.0, 12.0):
             now[0] = t
-            drops.note(claimed_origin(_status(5, 0, 3)), "an unsigned Failed status")
+            drops.note(claimed_origin(status_message(5, 0, 3)), "an unsigned Failed status")
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and drops.count == 5, lines
     assert "(4 so far), a status claiming room 5 from prefill rank 3: an unsigned Failed status" in lines[1], lines[1]
     assert "does not name it" in lines[0]
     now[0] = 30.0  # a real rank's status after its room failed: counted, not a warning
-    drops.note(claimed_origin(_status(5, 4, 1)), decode_message_problem(_manager(), _status(5, 4, 1)))
+    drops.note(
+        claimed_origin(status_message(5, 4, 1)), decode_message_problem(decode_manager(), status_message(5, 4, 1))
+    )
     assert drops.count == 6 and len(caplog.records) == 2, [r.getMessage() for r in caplog.records]
-    assert claimed_origin(_aux(5, 0, b"1", b"x")) == "AUX_DATA claiming room 5"
+    assert claimed_origin(aux_message(5, 0, b"1", b"x")) == "AUX_DATA claiming room 5"
     assert claimed_origin([b"ABORT_ACK", b"\xff" * 100, b"2"]).startswith("ABORT_ACK claiming room b'")
 
 
 # ---- SGLang's real decode thread on a real socket ------------------------------------------------------
-class _DecodeThread:
-    """SGLang's `MooncakeKVManager.start_decode_thread` on `mgr`, reading a PULL socket on
-    127.0.0.1 (its poll-based receive: role switching on, so it can stop); `push` sends to it."""
-
-    def __init__(self, mgr):
-        import zmq
-        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
-
-        self.ctx, self.mgr = zmq.Context(), mgr
-        pull = self.ctx.socket(zmq.PULL)
-        port = pull.bind_to_random_port("tcp://127.0.0.1")
-        mgr.__dict__.update(server_socket=pull, _stopped=False, _worker_threads=[],
-                            server_args=SimpleNamespace(enable_pd_role_switch=True))  # fmt: skip
-        mgr._start_heartbeat_checker_thread = lambda: threading.Thread(target=lambda: None)
-        MooncakeKVManager.start_decode_thread(mgr)
-        self.thread = mgr._worker_threads[0]
-        self.sock = self.ctx.socket(zmq.PUSH)
-        self.sock.connect(f"tcp://127.0.0.1:{port}")
-
-    def push(self, messages):
-        for msg in messages:
-            self.sock.send_multipart(msg)
-
-    def close(self):
-        self.mgr._stopped = True
-        self.thread.join(timeout=5)
-        self.sock.close(linger=0)
-        self.mgr.server_socket.close(linger=0)
-        self.ctx.term()
-
-
-def _wait_for(done, what, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def test_behind_the_guard_sglangs_decode_thread_drops_the_fuzz_and_still_commits():
@@ -416,18 +338,18 @@ def test_behind_the_guard_sglangs_decode_thread_drops_the_fuzz_and_still_commits
     metadata lands in its slot and its two manifests commit it, so the thread is alive."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    aux = _AuxBuffers()
-    mgr = _manager(secret=SECRET, aux=aux)
+    aux = AuxBuffers()
+    mgr = decode_manager(secret=SECRET, aux=aux)
     hostile = [c.msg for c in hostile_messages(ROOM, AUX_INDEX, aux.kv_args) if c.needs in ("any", "secret")]
     hostile += mutated_messages(ROOM, aux.kv_args, AUX_INDEX)
-    decode = _DecodeThread(mgr)
+    decode = DecodeThread(mgr)
     try:
         decode.push(hostile)
-        _wait_for(lambda: mgr.dropped_messages.count == len(hostile), f"{mgr.dropped_messages.count} of {len(hostile)} dropped")  # fmt: skip
+        wait_for(lambda: mgr.dropped_messages.count == len(hostile), f"{mgr.dropped_messages.count} of {len(hostile)} dropped")  # fmt: skip
         assert decode.thread.is_alive() and not aux.backing.any(), "a hostile message got through"
         good = good_messages(ROOM, AUX_INDEX, aux.kv_args, secret=SECRET)
         decode.push([good["AUX_DATA of the room's slot"], good["Success of rank 0"], good["Success of rank 1, two destinations"]])  # fmt: skip
-        _wait_for(lambda: mgr.request_status[ROOM] == KVPoll.Success, f"room {ROOM}: {mgr.request_status[ROOM]}, {mgr.failure_records}")  # fmt: skip
+        wait_for(lambda: mgr.request_status[ROOM] == KVPoll.Success, f"room {ROOM}: {mgr.request_status[ROOM]}, {mgr.failure_records}")  # fmt: skip
         assert bytes(aux.slot(0, AUX_INDEX)) == b"\x11" * ITEM_LENS[0] and int(aux.backing.astype(bool).sum()) == ITEM_LENS[0]  # fmt: skip
         assert decode.thread.is_alive() and mgr.dropped_messages.count == len(hostile)
     finally:
@@ -437,7 +359,7 @@ def test_behind_the_guard_sglangs_decode_thread_drops_the_fuzz_and_still_commits
 KILLERS = {
     "AUX_DATA room not a number": [b"AUX_DATA", b"seven", b"0", b"3", struct.pack(">I", 1), b"x"],
     "AUX_DATA of 4 frames": [b"AUX_DATA", b"7", b"0", b"3"],
-    "AUX_DATA buffer index past the buffers": _aux(ROOM, 2, b"3", b"x"),
+    "AUX_DATA buffer index past the buffers": aux_message(ROOM, 2, b"3", b"x"),
     "STAGING_REQ without staging": [b"STAGING_REQ", b"7", b"0", b"1", b"session"],
 }
 
@@ -451,16 +373,16 @@ def test_without_the_guard_one_message_writes_past_the_buffer_and_one_ends_the_t
 
     raised = []
     monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_type.__name__))
-    aux = _AuxBuffers()
-    mgr = _manager(stock=True, aux=aux)
-    decode = _DecodeThread(mgr)
+    aux = AuxBuffers()
+    mgr = decode_manager(stock=True, aux=aux)
+    decode = DecodeThread(mgr)
     try:
-        decode.push([_aux(ROOM, 1, b"%d" % SLOTS, b"\xee" * ITEM_LENS[1])])
-        _wait_for(lambda: aux.neighbor[: ITEM_LENS[1]].all(), "the write past the buffer")
+        decode.push([aux_message(ROOM, 1, b"%d" % SLOTS, b"\xee" * ITEM_LENS[1])])
+        wait_for(lambda: aux.neighbor[: ITEM_LENS[1]].all(), "the write past the buffer")
         assert decode.thread.is_alive()
         decode.push([KILLERS[killer]])
-        _wait_for(lambda: not decode.thread.is_alive(), f"{killer}: the thread survived")
-        decode.push([_status(ROOM, 4, 0), _status(ROOM, 4, 1)])
+        wait_for(lambda: not decode.thread.is_alive(), f"{killer}: the thread survived")
+        decode.push([status_message(ROOM, 4, 0), status_message(ROOM, 4, 1)])
         time.sleep(0.3)
         assert mgr.request_status[ROOM] == KVPoll.WaitingForInput and raised, raised
     finally:
@@ -468,55 +390,12 @@ def test_without_the_guard_one_message_writes_past_the_buffer_and_one_ends_the_t
 
 
 # ---- replays and limits (a second review's findings), through SGLang's receiver and decode thread ---------
-PREFILL = "127.0.0.1:8998"  # the bootstrap address the receivers name (nothing is sent to it)
-
-
-def _idle_manager(secret=None, aux=None):
-    """`_manager` with no room in flight, plus the state SGLang's receiver touches."""
-    from collections import defaultdict
-
-    mgr = _manager(secret=secret, aux=aux)
-    for table in ("request_status", "prefill_response_tracker", "required_prefill_response_num_table",
-                  "room_expectations", "room_nonces", "room_aux_indices"):  # fmt: skip
-        getattr(mgr, table).clear()
-    mgr.__dict__.update(addr_to_rooms_tracker=defaultdict(set), connection_pool={}, connection_lock=threading.Lock(),
-                        waiting_timeout=300)  # fmt: skip
-    return mgr
-
-
-def _receiver(mgr, room=ROOM, metadata=True):
-    """SGLang's receiver of the plugin for `room` on `mgr` (its real `__init__`), targeting 2 prefill
-    CP ranks (unique ranks 0 and 1) as SGLang's `init` would; with `metadata`, its real
-    `send_metadata` for 4 KV and 4 index-K pages at aux slot AUX_INDEX (no prefill to send to)."""
-    import numpy as np
-    from sglang.srt.disaggregation.base.conn import StateType
-
-    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn import OwnedPageKVReceiver
-
-    receiver = OwnedPageKVReceiver(mgr, PREFILL, room)
-    receiver.__dict__.update(
-        prefill_info=SimpleNamespace(target_tp_rank=0, target_tp_ranks=[0], target_cp_ranks=[0, 1], target_pp_ranks=[0],
-                                     pp_size=1, attn_cp_size=2),
-        required_dst_info_num=1, bootstrap_infos=[],
-    )  # fmt: skip
-    mgr.required_prefill_response_num_table[room] = 2
-    if metadata:
-        mgr.kv_args.state_types = [StateType.DSA]
-        receiver.send_metadata(np.arange(4, dtype=np.int32), AUX_INDEX, [np.arange(4, dtype=np.int32)])
-    return receiver
-
-
-def _success(rank, room=ROOM, secret=SECRET, use=None, claims_rank=None):
-    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import encode_manifest
-
-    claims = _claims(rank if claims_rank is None else claims_rank)
-    return _status(room, 4, rank, b"", encode_manifest(claims, room, rank, secret, uses=[use or NOW]))
 
 
 def _signed_failed(rank, use, room=ROOM, reason=b"rank 1 failed"):
     from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import sign_status
 
-    return _status(room, 0, rank, reason, sign_status(SECRET, room, rank, 0, reason, [use]))
+    return status_message(room, 0, rank, reason, sign_status(SECRET, room, rank, 0, reason, [use]))
 
 
 def test_a_signed_failed_of_an_earlier_use_cannot_fail_a_reused_room_before_its_metadata():
@@ -525,17 +404,17 @@ def test_a_signed_failed_of_an_earlier_use_cannot_fail_a_reused_room_before_its_
     while it waited for memory. The receiver now draws the nonce when SGLang creates it."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    mgr = _idle_manager(secret=SECRET)
-    receiver = _receiver(mgr, metadata=False)
+    mgr = idle_manager(secret=SECRET)
+    receiver = make_receiver(mgr, metadata=False)
     assert mgr.request_status[ROOM] == KVPoll.Bootstrapping
-    decode = _DecodeThread(mgr)
+    decode = DecodeThread(mgr)
     try:
         decode.push([_signed_failed(1, EARLIER)])
-        _wait_for(lambda: mgr.dropped_messages.count == 1 or mgr.request_status[ROOM] == KVPoll.Failed, "the Failed")
+        wait_for(lambda: mgr.dropped_messages.count == 1 or mgr.request_status[ROOM] == KVPoll.Failed, "the Failed")
         assert mgr.request_status[ROOM] == KVPoll.Bootstrapping and ROOM not in mgr.failure_records, mgr.failure_records
         assert "a replay" in mgr.dropped_messages.recent[-1][1], mgr.dropped_messages.recent
         decode.push([_signed_failed(1, receiver.use_nonce)])  # this use's own Failed still counts
-        _wait_for(lambda: mgr.request_status[ROOM] == KVPoll.Failed, "this use's Failed")
+        wait_for(lambda: mgr.request_status[ROOM] == KVPoll.Failed, "this use's Failed")
         assert mgr.failure_records[ROOM] == "rank 1 failed"
     finally:
         decode.close()
@@ -547,15 +426,15 @@ def test_a_success_replayed_within_its_use_is_dropped_and_the_room_commits(secre
     rank 0" and failed the room. A repeat from the same rank for the same use is now dropped."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    mgr = _idle_manager(secret=secret)
-    _receiver(mgr)
+    mgr = idle_manager(secret=secret)
+    make_receiver(mgr)
     use = mgr.room_nonces[ROOM]
-    decode = _DecodeThread(mgr)
+    decode = DecodeThread(mgr)
     try:
-        decode.push([_success(0, secret=secret, use=use)] * 2)
-        _wait_for(lambda: len(mgr.prefill_response_tracker[ROOM]) == 1 and mgr.dropped_messages.count == 1, "the two Successes")  # fmt: skip
-        decode.push([_success(1, secret=secret, use=use)])
-        _wait_for(lambda: mgr.request_status[ROOM] in (KVPoll.Success, KVPoll.Failed), "the room's outcome")
+        decode.push([success_message(0, secret=secret, use=use)] * 2)
+        wait_for(lambda: len(mgr.prefill_response_tracker[ROOM]) == 1 and mgr.dropped_messages.count == 1, "the two Successes")  # fmt: skip
+        decode.push([success_message(1, secret=secret, use=use)])
+        wait_for(lambda: mgr.request_status[ROOM] in (KVPoll.Success, KVPoll.Failed), "the room's outcome")
         assert mgr.request_status[ROOM] == KVPoll.Success, mgr.failure_records
     finally:
         decode.close()
@@ -568,18 +447,20 @@ def test_only_the_prefill_ranks_a_room_targeted_count_toward_its_commit(secret):
     and the room commits when rank 0 answers."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    mgr = _idle_manager(secret=secret)
-    _receiver(mgr)
+    mgr = idle_manager(secret=secret)
+    make_receiver(mgr)
     use = mgr.room_nonces[ROOM]
-    decode = _DecodeThread(mgr)
+    decode = DecodeThread(mgr)
     try:
-        decode.push([_success(2, secret=secret, use=use, claims_rank=0), _success(1, secret=secret, use=use)])
-        _wait_for(lambda: 1 in mgr.prefill_response_tracker[ROOM], "rank 1's Success")
+        decode.push(
+            [success_message(2, secret=secret, use=use, claims_rank=0), success_message(1, secret=secret, use=use)]
+        )
+        wait_for(lambda: 1 in mgr.prefill_response_tracker[ROOM], "rank 1's Success")
         time.sleep(0.2)
         assert mgr.request_status[ROOM] == KVPoll.Bootstrapping, (mgr.request_status[ROOM], mgr.failure_records)
         assert "room 7 targets prefill ranks [0, 1]" in mgr.dropped_messages.recent[-1][1], mgr.dropped_messages.recent
-        decode.push([_success(0, secret=secret, use=use)])
-        _wait_for(lambda: mgr.request_status[ROOM] == KVPoll.Success, f"the commit: {mgr.failure_records}")
+        decode.push([success_message(0, secret=secret, use=use)])
+        wait_for(lambda: mgr.request_status[ROOM] == KVPoll.Success, f"the commit: {mgr.failure_records}")
     finally:
         decode.close()
 
@@ -590,13 +471,13 @@ def test_a_timeout_names_what_the_guard_dropped_for_the_room():
     The timeout's reason now carries the room's last dropped message, which names it."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    mgr = _idle_manager(secret=SECRET)
-    receiver = _receiver(mgr)
+    mgr = idle_manager(secret=SECRET)
+    receiver = make_receiver(mgr)
     receiver.abort_notified = True  # no prefill to notify
-    decode = _DecodeThread(mgr)
+    decode = DecodeThread(mgr)
     try:
-        decode.push([_success(0, secret=None, use=mgr.room_nonces[ROOM]), _success(1, secret=None, use=mgr.room_nonces[ROOM])])  # fmt: skip
-        _wait_for(lambda: mgr.dropped_messages.count == 2, "both unkeyed Successes dropped")
+        decode.push([success_message(0, secret=None, use=mgr.room_nonces[ROOM]), success_message(1, secret=None, use=mgr.room_nonces[ROOM])])  # fmt: skip
+        wait_for(lambda: mgr.dropped_messages.count == 2, "both unkeyed Successes dropped")
     finally:
         decode.close()
     mgr.waiting_timeout = 0
@@ -615,14 +496,14 @@ def test_statuses_sglang_would_only_log_are_dropped(caplog):
     10,000 messages, 10,000 lines. Dropped now, with at most one line per 10 s."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    mgr = _idle_manager()
-    _receiver(mgr)
+    mgr = idle_manager()
+    make_receiver(mgr)
     statuses = [KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring] * 100
-    decode = _DecodeThread(mgr)
+    decode = DecodeThread(mgr)
     try:
         with caplog.at_level(logging.WARNING):
-            decode.push([_status(ROOM, s, i % 2, b"") for i, s in enumerate(statuses)])
-            _wait_for(lambda: mgr.dropped_messages.count == len(statuses), f"{mgr.dropped_messages.count} dropped")
+            decode.push([status_message(ROOM, s, i % 2, b"") for i, s in enumerate(statuses)])
+            wait_for(lambda: mgr.dropped_messages.count == len(statuses), f"{mgr.dropped_messages.count} dropped")
         assert mgr.request_status[ROOM] == KVPoll.Bootstrapping
         lines = [r.getMessage() for r in caplog.records]
         assert len(lines) == 1 and "which SGLang's decode would only log" in lines[0], lines
@@ -645,8 +526,8 @@ def test_the_guard_cuts_a_frame_before_it_reprs_it():
     ~10 ms of the decode thread per 1 MiB frame. It now reprs only the first 40 bytes."""
     from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import DropLog, guard_recv
 
-    mgr, huge = _manager(), _ReprSpy(b"\xff" * (1 << 20))
-    messages = [[huge, b"4", b"0"], [b"7", b"4", huge], _aux(ROOM, 0, huge, b"x"), [b"ABORT_ACK", huge, b"1"]]
+    mgr, huge = decode_manager(), _ReprSpy(b"\xff" * (1 << 20))
+    messages = [[huge, b"4", b"0"], [b"7", b"4", huge], aux_message(ROOM, 0, huge, b"x"), [b"ABORT_ACK", huge, b"1"]]
     drops = DropLog()
     for msg in messages:
         assert guard_recv(mgr, lambda msg=msg: msg, drops)() is None
@@ -689,21 +570,6 @@ def test_the_status_socket_queues_few_messages_per_connection():
     ctx.term()
 
 
-def _metadata(room, session, nonce, destinations=1, pages=1):
-    """A decode's request metadata for `room`, built by SGLang's `build_receiver_metadata_message`
-    through the plugin's (which appends the use nonce), as decode session `session`."""
-    import numpy as np
-
-    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn import OwnedPageKVManager
-
-    decode = object.__new__(OwnedPageKVManager)
-    decode.__dict__.update(local_ip="127.0.0.1", rank_port=17001, room_nonces={room: nonce}, get_session_id=lambda: session)  # fmt: skip
-    return decode.build_receiver_metadata_message(
-        bootstrap_room=room, required_dst_info_num=destinations, kv_indices=np.arange(pages, dtype=np.int32),
-        aux_index=0, state_indices=None, decode_prefix_len=None, is_dummy=False,
-    )  # fmt: skip
-
-
 def test_what_the_metadata_channel_can_make_a_prefill_keep_is_bounded():
     """Finding 7: SGLang's (unauthenticated) metadata channel steered the prefill's per-room nonce
     map: 1,000 sessions in one room, a decode's nonce overwritten by a later message of its
@@ -716,20 +582,20 @@ def test_what_the_metadata_channel_can_make_a_prefill_keep_is_bounded():
 
     prefill = object.__new__(conn.OwnedPageKVManager)
     prefill.destination_nonces = {}
-    prefill._note_use_nonce(_metadata(ROOM, "decode:1", NOW))
-    prefill._note_use_nonce(_metadata(ROOM, "decode:1", EARLIER))  # the same session again
+    prefill._note_use_nonce(metadata_message(ROOM, "decode:1", NOW))
+    prefill._note_use_nonce(metadata_message(ROOM, "decode:1", EARLIER))  # the same session again
     for i in range(1000):
-        prefill._note_use_nonce(_metadata(ROOM, f"injected:{i}", b"%016d" % i))
+        prefill._note_use_nonce(metadata_message(ROOM, f"injected:{i}", b"%016d" % i))
     assert dict(prefill.destination_nonces[ROOM]) == {"decode:1": NOW}
-    frame = encode_manifest(_claims(1, 1), ROOM, 1, SECRET, uses=prefill.destination_nonces[ROOM].values())
+    frame = encode_manifest(rank_claims(1, 1), ROOM, 1, SECRET, uses=prefill.destination_nonces[ROOM].values())
     decode_manifest(frame, room=ROOM, prefill_rank=1, secret=SECRET, max_pages=1, use=NOW, max_uses=1)
     # a room of 256 pages and 8 decode destinations (decode TP 8 over prefill TP 1): all 8 fit
     for d in range(8):
-        prefill._note_use_nonce(_metadata(ROOM + 1, f"decode:{d}", b"%016d" % d, destinations=8, pages=256))
-    claims = _claims(1, 256)
+        prefill._note_use_nonce(metadata_message(ROOM + 1, f"decode:{d}", b"%016d" % d, destinations=8, pages=256))
+    claims = rank_claims(1, 256)
     frame = encode_manifest(claims, ROOM + 1, 1, SECRET, uses=prefill.destination_nonces[ROOM + 1].values())
     decode_manifest(frame, room=ROOM + 1, prefill_rank=1, secret=SECRET, max_pages=256, use=b"%016d" % 7, max_uses=8)
-    template = _metadata(0, "decode:1", NOW)
+    template = metadata_message(0, "decode:1", NOW)
     for room in range(100, 100 + conn.MAX_NOTED_ROOMS + 100):
         prefill._note_use_nonce([b"%d" % room, *template[1:]])
     assert len(prefill.destination_nonces) == conn.MAX_NOTED_ROOMS and ROOM not in prefill.destination_nonces

@@ -61,7 +61,7 @@ def _positions(index_slice) -> np.ndarray:
     return np.asarray(index_slice, dtype=np.int64)
 
 
-MAX_NOTED_ROOMS = 1 << 16  # rooms whose decode nonces a prefill holds (~30 MiB at most)
+MAX_NOTED_ROOMS = 1 << 16  # rooms whose decode nonces a prefill holds (memory: docs/disagg.md, "Size limits")
 
 
 class _Uses(dict):
