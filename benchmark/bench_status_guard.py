@@ -13,7 +13,8 @@ tests build them (test/helpers/status_guard_decode.py), and the status socket as
    no ZMQ option bounds the frames of one message), and how many messages of 4 x 1 MiB one connection
    gets queued on a decode that does not read (the plugin's RCVHWM beside SGLang's 0, unlimited);
 4. a prefill's nonce map (SGLang's metadata channel): memory at its cap of 65,536 rooms, that the cap holds
-   under 100,000 rooms, the same map without the cap, and a room filled to its most destinations (1,024).
+   under 100,000 rooms, the same map without the cap, and rooms filled to their most destinations (1,024)
+   past its budget of 131,072 sessions in all.
 Raw: DIR/bench_status_guard.json. --quick: fewer repeats and smaller messages (a smoke run, not for docs).
 """
 
@@ -248,16 +249,18 @@ def queued_per_connection(frames: int, frame: int, limit: int, most: int) -> dic
 
 
 # ---- 4. the prefill's nonce map ---------------------------------------------------------------------------------
-def _noted_bytes(rooms: int, cap: int | None, sessions: int = 1) -> tuple[int, int]:
-    """(bytes tracemalloc sees added, rooms held) after `rooms` rooms' metadata of `sessions` sessions each
-    reached a prefill's `_note_use_nonce` (cap: MAX_NOTED_ROOMS, None: no cap, the map before issue 41)."""
+def _noted_bytes(rooms: int, capped: bool, sessions: int = 1) -> tuple[int, int, int]:
+    """(bytes tracemalloc sees added, rooms held, sessions held) after `rooms` rooms' metadata of `sessions`
+    sessions each reached a prefill's `_note_use_nonce` (capped: MAX_NOTED_ROOMS and MAX_NOTED_SESSIONS; else no
+    cap, the map before issue 41)."""
     from helpers.status_guard_decode import metadata_message
     from sglang_nsa_cp.sglang_ext.disaggregation.mooncake import conn
 
     templates = [metadata_message(0, f"10.0.0.{s % 250}:{17000 + s}", b"%016d" % s, destinations=sessions) for s in range(sessions)]  # fmt: skip
     prefill = object.__new__(conn.OwnedPageKVManager)
-    prefill.destination_nonces = {}
-    with mock.patch.object(conn, "MAX_NOTED_ROOMS", cap or 1 << 62):
+    prefill.destination_nonces = conn.NoncesByRoom()
+    caps = {} if capped else {"MAX_NOTED_ROOMS": 1 << 62, "MAX_NOTED_SESSIONS": 1 << 62}
+    with mock.patch.multiple(conn, **caps) if caps else contextlib.nullcontext():
         tracemalloc.start()
         before = tracemalloc.get_traced_memory()[0]
         for room in range(rooms):
@@ -266,21 +269,24 @@ def _noted_bytes(rooms: int, cap: int | None, sessions: int = 1) -> tuple[int, i
                 prefill._note_use_nonce([key, *template[1:]])
         added = tracemalloc.get_traced_memory()[0] - before
         tracemalloc.stop()
-    return added, len(prefill.destination_nonces)
+    return added, len(prefill.destination_nonces), prefill.destination_nonces.sessions
 
 
-def nonce_map(rooms: int, full_rooms: int) -> dict:
-    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn import MAX_NOTED_ROOMS
+def nonce_map(rooms: int) -> dict:
+    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn import MAX_NOTED_ROOMS, MAX_NOTED_SESSIONS
     from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import MAX_USES
 
-    at_cap, held_at_cap = _noted_bytes(MAX_NOTED_ROOMS, MAX_NOTED_ROOMS)
-    past_cap, held_past_cap = _noted_bytes(rooms, MAX_NOTED_ROOMS)
-    uncapped, held_uncapped = _noted_bytes(rooms, None)
-    full, _ = _noted_bytes(full_rooms, MAX_NOTED_ROOMS, sessions=MAX_USES)
+    at_cap, held_at_cap, _ = _noted_bytes(MAX_NOTED_ROOMS, True)
+    past_cap, held_past_cap, _ = _noted_bytes(rooms, True)
+    uncapped, held_uncapped, _ = _noted_bytes(rooms, False)
+    # rooms that each declare the most destinations, filled with injected sessions, past the session budget
+    full_rooms = MAX_NOTED_SESSIONS // MAX_USES + 32
+    full, full_held, full_sessions = _noted_bytes(full_rooms, True, sessions=MAX_USES)
     return dict(cap_rooms=MAX_NOTED_ROOMS, at_cap_mib=round(at_cap / MIB, 2), held_at_cap=held_at_cap, rooms_sent=rooms,
                 past_cap_mib=round(past_cap / MIB, 2), held_past_cap=held_past_cap, uncapped_mib=round(uncapped / MIB, 2),
-                held_uncapped=held_uncapped, full_room_sessions=MAX_USES, full_room_kib=round(full / full_rooms / 1024, 1),
-                full_rooms_at_cap_gib_extrapolated=round(full / full_rooms * MAX_NOTED_ROOMS / (1 << 30), 2))  # fmt: skip
+                held_uncapped=held_uncapped, cap_sessions=MAX_NOTED_SESSIONS, full_room_sessions=MAX_USES,
+                full_rooms_sent=full_rooms, full_rooms_held=full_held, full_sessions_held=full_sessions,
+                full_rooms_mib=round(full / MIB, 2))  # fmt: skip
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------
@@ -308,7 +314,8 @@ def table(r: dict) -> str:
     rows.append(["  receiver RSS while holding them (MiB)", f"+{q['plugin']['holding_rss_delta_mib']}", f"+{q['sglang']['holding_rss_delta_mib']}"])  # fmt: skip
     rows.append([f"nonce map, {n['rooms_sent']:,} rooms (MiB, rooms held)", f"{n['past_cap_mib']:.1f}, {n['held_past_cap']:,}", f"{n['uncapped_mib']:.1f}, {n['held_uncapped']:,} (no cap)"])  # fmt: skip
     rows.append([f"nonce map at its cap, {n['cap_rooms']:,} rooms (MiB)", f"{n['at_cap_mib']:.1f}", "-"])
-    rows.append([f"one room of {n['full_room_sessions']} sessions (KiB); x cap (GiB)", f"{n['full_room_kib']:.0f}; {n['full_rooms_at_cap_gib_extrapolated']:.1f}", "-"])  # fmt: skip
+    rows.append([f"{n['full_rooms_sent']} rooms of {n['full_room_sessions']} sessions (MiB, rooms, sessions held)",
+                 f"{n['full_rooms_mib']:.1f}, {n['full_rooms_held']}, {n['full_sessions_held']:,}", "-"])  # fmt: skip
     return format_table(rows, header_rule=True)
 
 
@@ -321,7 +328,7 @@ def main() -> None:
     quick = args.quick
     params = dict(drop_repeats=100 if quick else 1000, commit_trials=5 if quick else 30, junk_peers=4,
                   large_frames=16 if quick else 256, queue_frames=4, queue_most=80 if quick else 160,
-                  nonce_rooms=70_000 if quick else 100_000, full_rooms=2 if quick else 16)  # fmt: skip
+                  nonce_rooms=70_000 if quick else 100_000)  # fmt: skip
     import sglang.srt.utils.network  # noqa: F401  (the forked receiving processes inherit it: no import there)
 
     from helpers.status_guard_decode import AuxBuffers
@@ -338,7 +345,7 @@ def main() -> None:
         "junk": commit_latency(params["commit_trials"], params["junk_peers"], before_fix=False),
         "junk_before_fix": commit_latency(params["commit_trials"], params["junk_peers"], before_fix=True),
     }
-    result["nonce_map"] = nonce_map(params["nonce_rooms"], params["full_rooms"])
+    result["nonce_map"] = nonce_map(params["nonce_rooms"])
     result["machine"]["load_1_5_15_at_end"] = [round(x, 2) for x in os.getloadavg()]
     result["seconds"] = round(time.monotonic() - started, 1)
     args.out.mkdir(parents=True, exist_ok=True)

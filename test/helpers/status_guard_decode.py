@@ -62,7 +62,7 @@ def decode_manager(secret=None, staging=False, stock=False, aux=None):
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
-    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn import OwnedPageKVManager
+    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn import NoncesByRoom, OwnedPageKVManager
     from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import RoomExpectation
     from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import DropLog
 
@@ -78,7 +78,7 @@ def decode_manager(secret=None, staging=False, stock=False, aux=None):
         _deferred_ack_targets={}, _deferred_ack_poisoned_rooms=set(), _staging_outstanding={},
         owned_pages_ledger=None, outgoing_manifests={}, manifest_inbox={}, room_manifests={},
         room_expectations={ROOM: RoomExpectation(4, 4, 2)}, room_nonces={ROOM: NOW}, room_aux_indices={ROOM: AUX_INDEX},
-        destination_nonces={}, pd_secret=secret, dropped_messages=DropLog(),
+        destination_nonces=NoncesByRoom(), pd_secret=secret, dropped_messages=DropLog(),
     )  # fmt: skip
     return mgr
 

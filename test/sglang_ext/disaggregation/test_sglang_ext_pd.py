@@ -437,7 +437,7 @@ def test_status_socket_refuses_frames_past_its_limit():
 def _decode_manager(secret):
     """A decode manager of the plugin with only the state `parse_kv_status_message` and
     `apply_prefill_status` use (SGLang's and the plugin's)."""
-    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn import OwnedPageKVManager
+    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn import NoncesByRoom, OwnedPageKVManager
     from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import DropLog
 
     mgr = object.__new__(OwnedPageKVManager)
@@ -446,7 +446,7 @@ def _decode_manager(secret):
         failure_lock=threading.Lock(), enable_staging=False, _staging_handler=None, defer_decode_allocation=False,
         deferred_bootstrap=None, _deferred_ack_targets={}, _deferred_ack_poisoned_rooms=set(), _staging_outstanding={},
         owned_pages_ledger=None, outgoing_manifests={}, manifest_inbox={}, room_manifests={}, room_expectations={},
-        pd_secret=secret, destination_nonces={}, room_nonces={}, room_aux_indices={}, dropped_messages=DropLog(),
+        pd_secret=secret, destination_nonces=NoncesByRoom(), room_nonces={}, room_aux_indices={}, dropped_messages=DropLog(),
     )  # fmt: skip
     return mgr
 

@@ -575,13 +575,14 @@ def test_what_the_metadata_channel_can_make_a_prefill_keep_is_bounded():
     map: 1,000 sessions in one room, a decode's nonce overwritten by a later message of its
     session, 100k rooms held, and enough injected sessions pushed a genuine manifest past the
     decode's size limit. Now a room holds at most the destinations its metadata declared, a
-    session's first nonce stays, at most MAX_NOTED_ROOMS rooms are held, and the decode's limit
-    counts the nonces of its own destinations."""
+    session's first nonce stays, at most MAX_NOTED_ROOMS rooms and MAX_NOTED_SESSIONS sessions in all
+    are held (rooms filled with injected sessions measured 139 KiB each: docs/disagg.md), and the
+    decode's limit counts the nonces of its own destinations."""
     from sglang_nsa_cp.sglang_ext.disaggregation.mooncake import conn
-    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import decode_manifest, encode_manifest
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import MAX_USES, decode_manifest, encode_manifest
 
     prefill = object.__new__(conn.OwnedPageKVManager)
-    prefill.destination_nonces = {}
+    prefill.destination_nonces = conn.NoncesByRoom()
     prefill._note_use_nonce(metadata_message(ROOM, "decode:1", NOW))
     prefill._note_use_nonce(metadata_message(ROOM, "decode:1", EARLIER))  # the same session again
     for i in range(1000):
@@ -599,6 +600,21 @@ def test_what_the_metadata_channel_can_make_a_prefill_keep_is_bounded():
     for room in range(100, 100 + conn.MAX_NOTED_ROOMS + 100):
         prefill._note_use_nonce([b"%d" % room, *template[1:]])
     assert len(prefill.destination_nonces) == conn.MAX_NOTED_ROOMS and ROOM not in prefill.destination_nonces
+    assert prefill.destination_nonces.sessions == conn.MAX_NOTED_ROOMS
+    # rooms that each declare the most destinations, filled with injected sessions: the session
+    # budget holds, the oldest rooms going first, and the newest room is whole
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(conn, "MAX_NOTED_SESSIONS", 4 * MAX_USES)
+        prefill.destination_nonces = conn.NoncesByRoom()
+        template = metadata_message(0, "decode:1", NOW, destinations=MAX_USES)
+        for room in range(10):
+            for i in range(MAX_USES):
+                prefill._note_use_nonce([b"%d" % room, *template[1:3], b"injected:%d" % i, *template[4:]])
+        held = prefill.destination_nonces
+        assert held.sessions == sum(map(len, held.values())) == 4 * MAX_USES, held.sessions
+        assert list(held) == [6, 7, 8, 9] and all(len(uses) == MAX_USES for uses in held.values())
+        held.drop(9)
+        assert held.sessions == 3 * MAX_USES
 
 
 # ---- the real thing: the owned-page PD harness ------------------------------------------------

@@ -61,7 +61,10 @@ def _positions(index_slice) -> np.ndarray:
     return np.asarray(index_slice, dtype=np.int64)
 
 
-MAX_NOTED_ROOMS = 1 << 16  # rooms whose decode nonces a prefill holds (memory: docs/disagg.md, "Size limits")
+# What a prefill holds of its decodes' use nonces (memory: docs/disagg.md, "Size limits"): rooms, and
+# sessions over all rooms, since a room may declare up to MAX_USES destinations.
+MAX_NOTED_ROOMS = 1 << 16
+MAX_NOTED_SESSIONS = 1 << 17
 
 
 class _Uses(dict):
@@ -70,6 +73,32 @@ class _Uses(dict):
     def __init__(self, limit: int):
         super().__init__()
         self.limit = limit
+
+
+class NoncesByRoom(dict):
+    """room -> _Uses, bounded: at most MAX_NOTED_ROOMS rooms and MAX_NOTED_SESSIONS sessions in all,
+    the oldest rooms going first. A session's first nonce stays."""
+
+    def __init__(self):
+        super().__init__()
+        self.sessions = 0
+
+    def note(self, room: int, session: str, declared: int, nonce: bytes) -> None:
+        uses = self.get(room)
+        if uses is None:
+            while len(self) >= MAX_NOTED_ROOMS:
+                self.drop(next(iter(self)))
+            uses = self[room] = _Uses(max(1, min(declared, MAX_USES)))
+        if session in uses or len(uses) >= uses.limit:
+            return
+        while self.sessions >= MAX_NOTED_SESSIONS and next(iter(self)) != room:
+            self.drop(next(iter(self)))
+        if self.sessions < MAX_NOTED_SESSIONS:
+            uses[session] = nonce
+            self.sessions += 1
+
+    def drop(self, room: int) -> None:
+        self.sessions -= len(self.pop(room, ()))
 
 
 class _Unauthenticated(str):
@@ -115,7 +144,7 @@ class OwnedPageKVManager(MooncakeKVManager):
         # SGLang starts the manager's threads inside __init__: the state they read comes first.
         self.owned_pages_ledger: OwnedPageLedger | None = None  # prefill, shared KV only
         self.outgoing_manifests = {}  # prefill: room -> manifest being concluded
-        self.destination_nonces = {}  # prefill: room -> {decode session: nonce of its use of the room}
+        self.destination_nonces = NoncesByRoom()  # prefill: room -> {decode session: nonce of its use of the room}
         self.room_nonces = {}  # decode: room -> nonce of this use of the room (sent with the metadata)
         self.manifest_inbox = {}  # decode: (room, prefill rank) -> manifest parsed, not applied yet
         self.room_manifests = {}  # decode: room -> {prefill rank: manifest}
@@ -168,9 +197,9 @@ class OwnedPageKVManager(MooncakeKVManager):
         """[room, endpoint, port, session, ..., required destinations, ..., USE_NONCE_TAG + nonce]
         from a decode's `build_receiver_metadata_message`; anything else is left to SGLang. A
         session's first nonce stays (a later one for the same session is ignored), a room holds at
-        most the destinations its first metadata declared, and at most MAX_NOTED_ROOMS rooms are
-        held (the oldest goes): SGLang's metadata channel is unauthenticated, so these bound what
-        anyone who reaches it can make the prefill keep and put into the room's manifests."""
+        most the destinations its first metadata declared, and `NoncesByRoom` bounds rooms and
+        sessions in all: SGLang's metadata channel is unauthenticated, so these bound what anyone
+        who reaches it can make the prefill keep and put into the room's manifests."""
         nonce = msg[-1] if len(msg) > 10 else b""
         if not (nonce.startswith(USE_NONCE_TAG) and len(nonce) == len(USE_NONCE_TAG) + USE_NONCE_BYTES):
             return
@@ -178,13 +207,7 @@ class OwnedPageKVManager(MooncakeKVManager):
             room, session, declared = int(msg[0].decode("ascii")), msg[3].decode("ascii"), int(msg[7])
         except (UnicodeDecodeError, ValueError):
             return
-        uses = self.destination_nonces.get(room)
-        if uses is None:
-            if len(self.destination_nonces) >= MAX_NOTED_ROOMS:
-                self.destination_nonces.pop(next(iter(self.destination_nonces)))
-            uses = self.destination_nonces[room] = _Uses(max(1, min(declared, MAX_USES)))
-        if session not in uses and len(uses) < uses.limit:
-            uses[session] = nonce[len(USE_NONCE_TAG) :]
+        self.destination_nonces.note(room, session, declared, nonce[len(USE_NONCE_TAG) :])
 
     def add_transfer_request(
         self,
@@ -418,7 +441,7 @@ class OwnedPageKVSender(MooncakeKVSender):
         finally:
             if self.kv_mgr.owned_pages_ledger is not None:
                 self.kv_mgr.owned_pages_ledger.drop(self.bootstrap_room)
-                self.kv_mgr.destination_nonces.pop(self.bootstrap_room, None)
+                self.kv_mgr.destination_nonces.drop(self.bootstrap_room)
 
 
 def _expected_prefill_ranks(receiver, every_tp_rank: bool = False) -> list[int]:
