@@ -231,6 +231,33 @@ def test_the_ledger_lists_every_private_sglang_name_the_pool_overrides_use(plugi
     assert dict((n.rsplit(".", 1)[1], k) for n, k in point.relies_on) == kinds
 
 
+def test_the_ledger_lists_every_private_sglang_name_the_pd_classes_and_the_guard_use(plugin):
+    """Every `_name` of SGLang's Mooncake manager that the PD subclasses (`self.`, `self.kv_mgr.`)
+    or the status guard (`mgr.`) read is in the get_kv_class point's `relies_on`, with its kind."""
+    import ast
+
+    from sglang_nsa_cp.sglang_ext.disaggregation import status_guard
+    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake import conn
+
+    manager = ledger.resolve_sglang("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager")
+    ours = set(vars(conn.OwnedPageKVManager)) | set(vars(conn.OwnedPageKVSender)) | set(vars(conn.OwnedPageKVReceiver))
+    used = set()
+    for module in (conn, status_guard):
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+                continue
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id in ("self", "mgr")) or (
+                isinstance(owner, ast.Attribute) and owner.attr == "kv_mgr"
+            ):
+                used.add(node.attr)
+    sglang_names = {n for n in used - ours if hasattr(manager, n) or n in ledger.attributes_set_on_self(manager)}
+    kinds = {n: "method" if inspect.isfunction(inspect.getattr_static(manager, n, None)) else "attribute"
+             for n in sglang_names}  # fmt: skip
+    point = next(p for p in LEDGER if p.target.endswith("disaggregation.utils.get_kv_class"))
+    assert dict((n.rsplit(".", 1)[1], k) for n, k in point.relies_on) == kinds
+
+
 def test_sglang_refusing_the_resolution_hooks_refuses_the_flag(plugin, model, sm90, monkeypatch):
     """SGLang refuses every resolution hook: nothing would validate the flag, so parsing it refuses."""
     from sglang.srt.arg_groups import resolution_hooks

@@ -148,7 +148,10 @@ LEDGER: tuple[PatchPoint, ...] = (
                    (f"{_MOONCAKE}.MooncakeKVReceiver.send_metadata", "aa806ab9e114"),
                    (f"{_MOONCAKE}.MooncakeKVReceiver._check_waiting_timeout", "f4ca892d9e9f"),
                    (f"{_MOONCAKE}.MooncakeKVReceiver._clear", "f4ca892d9e9f"),
-               )),
+               ),
+               relies_on=((f"{_MOONCAKE}.MooncakeKVManager._deferred_abort_ack_tracker", "attribute"),
+                          (f"{_MOONCAKE}.MooncakeKVManager._prefill_unique_rank", "method"),
+                          (f"{_MOONCAKE}.MooncakeKVManager._staging_handler", "attribute"))),
     PatchPoint(f"{_COMMON}.get_zmq_socket_on_host", "AROUND", "disaggregation.common.conn:limit_status_frames",
                "1528319d6891", "a decode manager's status socket gets ZMQ_MAXMSGSIZE and a 64-message ZMQ_RCVHWM before it "
                "binds", _SHARDED_PD),
