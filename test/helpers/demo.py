@@ -96,7 +96,7 @@ def stage(text: str) -> float:
 def capacity(server) -> dict:
     """SGLang's own numbers: logical tokens the scheduler admits against (/v1/loads), and per CP
     rank the KV pool's GB and token capacity (/get_server_info) and its allocation log line."""
-    (load,) = requests.get(server.url + "/v1/loads", timeout=10).json()["loads"]
+    load = S.load(server)
     states = server.info()["internal_states"]  # one per DP rank (the CP group's rank 0 answers)
     log = server.log_text()
     return {

@@ -342,11 +342,16 @@ for _flavour in ("shared", "replicated"):  # per-rank token counts for the same 
     ROLES[f"hicache_{_flavour}"] = (ROLES[_flavour][0] + HICACHE_ARGS + ["--max-total-tokens", str(_per_rank)], True)
 
 
+def load(server: "Server") -> dict:
+    """SGLang's live load report of the server's one DP rank (/v1/loads)."""
+    (report,) = requests.get(server.url + "/v1/loads", timeout=10).json()["loads"]
+    return report
+
+
 def logical_capacity(server: "Server") -> int:
     """The tokens the server's scheduler admits against (SGLang's load report: logical tokens, N x a
     rank's pool under KV sharding)."""
-    (load,) = requests.get(server.url + "/v1/loads", timeout=10).json()["loads"]
-    return load["max_total_num_tokens"]
+    return load(server)["max_total_num_tokens"]
 
 
 def scratch_logs(server: "Server", rank: int) -> list[str]:

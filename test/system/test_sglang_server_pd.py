@@ -98,7 +98,7 @@ def _wait_idle(server, mark, timeout_s=60):
     deadline = time.monotonic() + timeout_s
     sharded = S.scratch_logs(server, 0)
     while True:
-        (load,) = requests.get(server.url + "/v1/loads", timeout=10).json()["loads"]
+        load = S.load(server)
         disagg = load.get("disaggregation") or {}
         busy = load["num_running_reqs"] + load["num_waiting_reqs"]
         busy += sum(v for k, v in disagg.items() if k.endswith("_queue_reqs"))
@@ -219,7 +219,7 @@ def test_long_prompts_at_once_commit_over_mooncake_and_give_every_page_back(clus
     def sample():  # rooms the decode held at once: pre-allocated, receiving KV or decoding
         while not stop.wait(0.2):
             try:
-                (load,) = requests.get(decode.url + "/v1/loads", timeout=10).json()["loads"]
+                load = S.load(decode)
             except (requests.RequestException, ValueError):
                 continue
             queues = load.get("disaggregation") or {}
