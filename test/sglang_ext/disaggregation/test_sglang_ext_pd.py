@@ -55,7 +55,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import sys  # noqa: E402
 import logging  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
@@ -64,6 +63,7 @@ import pytest  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from helpers import sglang_pd_harness as PD  # noqa: E402
+from helpers.status_guard_decode import idle_manager  # noqa: E402
 
 register_cpu_ci(est_time=120, suite="nsa-cp-test-cpu")
 
@@ -434,23 +434,6 @@ def test_status_socket_refuses_frames_past_its_limit():
     ctx.term()
 
 
-def _decode_manager(secret):
-    """A decode manager of the plugin with only the state `parse_kv_status_message` and
-    `apply_prefill_status` use (SGLang's and the plugin's)."""
-    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn import NoncesByRoom, OwnedPageKVManager
-    from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import DropLog
-
-    mgr = object.__new__(OwnedPageKVManager)
-    mgr.__dict__.update(
-        request_status={}, prefill_response_tracker={}, required_prefill_response_num_table={}, failure_records={},
-        failure_lock=threading.Lock(), enable_staging=False, _staging_handler=None, defer_decode_allocation=False,
-        deferred_bootstrap=None, _deferred_ack_targets={}, _deferred_ack_poisoned_rooms=set(), _staging_outstanding={},
-        owned_pages_ledger=None, outgoing_manifests={}, manifest_inbox={}, room_manifests={}, room_expectations={},
-        pd_secret=secret, destination_nonces=NoncesByRoom(), room_nonces={}, room_aux_indices={}, dropped_messages=DropLog(),
-    )  # fmt: skip
-    return mgr
-
-
 def _deliver(mgr, room, rank, frame):
     """One status message, as SGLang's decode thread handles it."""
     from sglang.srt.disaggregation.base.conn import KVPoll
@@ -479,7 +462,7 @@ def test_decode_manager_commits_only_full_coverage():
 
     from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import encode_manifest
 
-    mgr = _decode_manager(secret=None)
+    mgr = idle_manager(secret=None)
     good = {0: _manifest(0, [0, 2], [10, 12]), 1: _manifest(1, [1, 3], [11, 13])}
     for room, sends in {1: good, 2: {0: good[0], 1: _manifest(1, [1], [11])}, 3: {0: None, 1: None},
                         4: {0: good[0], 1: None}}.items():  # fmt: skip
@@ -507,7 +490,7 @@ def test_decode_thread_survives_hostile_manifest_frames_keyed_or_not():
 
     good = {0: _manifest(0, [0, 2], [10, 12]), 1: _manifest(1, [1, 3], [11, 13])}
     for secret in (PD.SECRET, None):
-        mgr = _decode_manager(secret=secret)
+        mgr = idle_manager(secret=secret)
         hostile = dict(_hostile_manifest_frames(), **{"no manifest frame": None})
         for i, (name, frame) in enumerate(hostile.items()):
             room = 10 + i
@@ -550,7 +533,7 @@ def test_a_replayed_manifest_of_an_earlier_use_does_not_commit_a_reused_room():
     good = {0: _manifest(0, [0, 2], [10, 12]), 1: _manifest(1, [1, 3], [11, 13])}
     earlier, now, other_decode = b"e" * 16, b"n" * 16, b"o" * 16
     for secret in (PD.SECRET, None):
-        mgr = _decode_manager(secret=secret)
+        mgr = idle_manager(secret=secret)
         _expect(mgr, 4)
         mgr.room_nonces[4] = now
         for rank, m in good.items():  # replayed: the manifests of the earlier use
