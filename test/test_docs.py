@@ -10,7 +10,9 @@ file tables are what `scripts/gen_test_tables.py` generates from the registratio
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
 import re
 import sys
 from pathlib import Path
@@ -38,12 +40,22 @@ def _named(doc: Path) -> tuple[set[str], set[str]]:
     return {p for p in paths if not any(p == n or p.startswith(n + "/") for n in NOT_OURS)}, set(BARE.findall(text))
 
 
+@functools.cache
+def _python_file_names() -> frozenset[str]:
+    """Names of the project's .py files (walked once, without descending into .venv or .git)."""
+    names = set()
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in (".venv", ".git")]
+        names.update(f for f in files if f.endswith(".py"))
+    return frozenset(names)
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
 def test_every_path_a_document_names_exists(doc):
     paths, names = _named(doc)
     missing = sorted(p for p in paths if not (ROOT / p).exists())
     assert not missing, f"{doc.relative_to(ROOT)} names paths that do not exist: {missing}"
-    files = {p.name for p in ROOT.rglob("*.py") if ".venv" not in p.parts}
+    files = _python_file_names()
     assert not sorted(names - files), f"{doc.relative_to(ROOT)} names files that do not exist: {sorted(names - files)}"
 
 
