@@ -32,12 +32,10 @@ test/helpers/gpu_stand_ins.py before it imports SGLang (no stand-in runs in the 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 from types import SimpleNamespace
 from typing import Callable
@@ -49,6 +47,7 @@ sys.path.insert(0, os.path.join(REPO, "test"))
 sys.path.insert(0, os.path.join(REPO, "python"))
 
 from sglang_nsa_cp.kernels.formats import MLA_DIM, MLA_FP8_ROW_BYTES, MLA_NOPE_DIM  # noqa: E402
+from provenance import provenance  # noqa: E402
 from tables import comma_list, format_table  # noqa: E402
 
 MIB = 1 << 20
@@ -246,21 +245,13 @@ def print_table(rows: list[dict]) -> None:
         print(f"geometric mean, launch {shape[0]}:{shape[1]}: {geo:.3f} of copy")
 
 
-def machine(device: torch.device) -> dict:
-    import triton
-
-    props = torch.cuda.get_device_properties(device)
-    try:
-        commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown (no git checkout)"
+def machine() -> dict:
+    """The results file's provenance (commit, dirty flag, machine, command) and the kernel's launch shape."""
     from sglang_nsa_cp.kernels import mla_fp8_owned_and_scratch as fused
 
-    return {"gpu": props.name, "gpu_count": torch.cuda.device_count(), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "triton": triton.__version__, "python": sys.version.split()[0],
-            "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"), "commit": commit,
-            "default_launch_shape": [fused.FP8_ROWS_PER_PROGRAM, fused.FP8_NUM_WARPS]}  # fmt: skip
+    model = {"rows": "FlashMLA fp8 rows (656 B) and index K + scale (132 B) per token; no model layers"}
+    stand_ins = ["sgl_kernel's op library (cannot load on the GPU machine): test/helpers/gpu_stand_ins.py"]
+    return {**provenance(model, stand_ins), "default_launch_shape": [fused.FP8_ROWS_PER_PROGRAM, fused.FP8_NUM_WARPS]}
 
 
 def dry_run(tokens: list[int], cp_sizes: list[int], shapes: list[tuple[int, int]] | None) -> None:
@@ -302,8 +293,8 @@ def main() -> None:
         sys.exit("unset TRITON_INTERPRET: the benchmark times compiled kernels")
     install_gpu_stand_ins()
     device = torch.device("cuda")
-    info = machine(device)
-    print(" ".join(f"{k}={v}" for k, v in info.items()), flush=True)
+    info = machine()
+    print(json.dumps(info), flush=True)
     shapes = args.launch_shapes or [tuple(info["default_launch_shape"])]
     timer = Timer(args.iters, args.warmup, device)
     cases = {}
@@ -333,7 +324,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_kernels.json")
     with open(path, "w") as f:
-        json.dump({"machine": info, "command": " ".join(["python3", *sys.argv]), "goal_of_copy": GOAL_OF_COPY,
+        json.dump({"provenance": info, "goal_of_copy": GOAL_OF_COPY,
                    "goal_min_mib": GOAL_MIN_MIB, "goal_rows_checked": checked, "missed": misses, "results": rows},
                   f, indent=1)  # fmt: skip
     print(f"wrote {path}")
