@@ -2,12 +2,14 @@
 Every benchmark writes `provenance(...)` into its results file as "provenance". Imported as
 `provenance` (a benchmark's own folder is on sys.path).
 
-The GPU machine gets a copy of the working tree without `.git`, so before a device run
+The GPU machine gets a copy of the working tree whose `.git`, where one travels, can be older than
+the tree, so before a device run
 
     python benchmark/provenance.py --stamp      # writes .provenance.json (git-ignored; carry it)
 
-records here what git says; `provenance()` reads git where there is a checkout and the stamp
-otherwise, and says "unknown" when it has neither.
+records here what git says and a hash of every tracked file. `provenance()` believes the stamp only
+while the files still hash the same (then the tree is the stamped one), else reads git, and says
+"unknown" when it has neither.
 """
 
 from __future__ import annotations
@@ -46,14 +48,26 @@ def git_state() -> dict | None:
     }
 
 
+def tree_sha256(paths: list[str]) -> str:
+    """One hash over the named files' contents as they are now (a missing file counts as missing)."""
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        full = os.path.join(ROOT, path)
+        content = open(full, "rb").read() if os.path.isfile(full) else b"<missing>"
+        digest.update(f"{path}\0{hashlib.sha256(content).hexdigest()}\n".encode())
+    return digest.hexdigest()[:16]
+
+
 def source_state() -> dict:
-    """git's state here, else the stamp written before the tree was copied, else unknown."""
+    """The stamp while the tracked files still hash as stamped, else git's state here, else unknown."""
+    if os.path.exists(STAMP):
+        with open(STAMP) as f:
+            stamped = json.load(f)
+        if tree_sha256(stamped.pop("paths")) == stamped["tree_sha256"]:
+            return {**stamped, "source": "stamp .provenance.json (tree unchanged since)"}
     state = git_state()
     if state is not None:
         return {**state, "source": "git"}
-    if os.path.exists(STAMP):
-        with open(STAMP) as f:
-            return {**json.load(f), "source": "stamp .provenance.json"}
     return {"commit": "unknown", "dirty": None, "dirty_files": [], "diff_sha256": None, "source": "none"}
 
 
@@ -97,8 +111,10 @@ def stamp() -> dict:
     state = git_state()
     if state is None:
         raise SystemExit("provenance.py --stamp: no git checkout at " + ROOT)
+    listed = subprocess.run(["git", "-C", ROOT, "ls-files"], capture_output=True, text=True, check=True).stdout
+    paths = listed.split()
     with open(STAMP, "w") as f:
-        json.dump(state, f, indent=1)
+        json.dump({**state, "tree_sha256": tree_sha256(paths), "paths": paths}, f, indent=1)
     return state
 
 

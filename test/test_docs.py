@@ -68,5 +68,27 @@ def test_the_testing_doc_lists_every_registered_test_file():
     )
 
 
+def _gen_result_tables():
+    spec = importlib.util.spec_from_file_location("gen_result_tables", ROOT / "scripts" / "gen_result_tables.py")
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    return generator
+
+
+def test_every_results_block_in_the_docs_is_what_its_results_file_renders():
+    generator = _gen_result_tables()
+    blocks = [m.group(2) for doc in generator.documents() for m in generator.BLOCK.finditer(Path(doc).read_text())]
+    assert "kernels" in blocks, "docs/kernels.md must carry its table as a generated block"
+    assert not generator.stale_documents(), (
+        f"stale results blocks in {generator.stale_documents()}: run `.venv/bin/python scripts/gen_result_tables.py --write`"
+    )
+
+
+def test_a_results_block_that_was_typed_over_is_caught():
+    generator = _gen_result_tables()
+    text = "<!-- results:kernels:begin -->\n| typed | by hand |\n<!-- results:kernels:end -->"
+    assert generator.regenerate(text) != text
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

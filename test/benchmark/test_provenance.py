@@ -54,13 +54,24 @@ def test_a_modified_tracked_file_makes_the_tree_dirty_and_is_named(repo):
     assert P.provenance("m")["diff_sha256"] != p["diff_sha256"], "a different edit must give another diff hash"
 
 
-def test_without_git_the_stamp_is_read_and_without_either_nothing_is_guessed(repo, monkeypatch):
+def test_the_stamp_is_believed_only_while_the_tree_is_unchanged(repo, monkeypatch):
     stamped = P.stamp()
     assert json.loads((repo / ".provenance.json").read_text())["commit"] == head(repo)
-    monkeypatch.setattr(P, "git_state", lambda: None)  # the GPU machine's copy has no .git
+    (repo / "b.py").write_text("y = 1\n")
+    git(repo, "add", "b.py")
+    git(repo, "commit", "-q", "-m", "two")
+    (repo / "b.py").unlink()  # the stamp's tree again, while the copy's .git is newer (or older) than it
     p = P.provenance("m")
-    assert (p["commit"], p["dirty"], p["source"]) == (stamped["commit"], False, "stamp .provenance.json")
-    (repo / ".provenance.json").unlink()
+    assert (p["commit"], p["dirty"]) == (stamped["commit"], False) and p["source"].startswith("stamp")
+    (repo / "a.py").write_text("x = 5\n")  # edited after the stamp: git's view, not the stamp's
+    p = P.provenance("m")
+    assert (p["commit"], p["dirty"], p["source"]) == (head(repo), True, "git")
+
+
+def test_without_git_or_a_valid_stamp_nothing_is_guessed(repo, monkeypatch):
+    P.stamp()
+    (repo / "a.py").write_text("x = 6\n")
+    monkeypatch.setattr(P, "git_state", lambda: None)  # a copy without .git
     assert (P.provenance("m")["commit"], P.provenance("m")["source"]) == ("unknown", "none")
 
 
