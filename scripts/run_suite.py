@@ -11,9 +11,17 @@ estimates). A test file that is not registered stops the run before any test, wi
 to add.
 
     python scripts/run_suite.py                                    # the CPU suite
+    python scripts/run_suite.py --suite nsa-cp-test-cpu-unit       # its unit tier (test.sh --fast)
     python scripts/run_suite.py --auto-partition-id 0 --auto-partition-size 2
     python scripts/run_suite.py --suite nsa-cp-test-1-gpu-h200 -- -s   # after --: pytest's own
     python scripts/run_suite.py --list                             # the plan; runs nothing
+    python scripts/run_suite.py --per-file --write-times times.json   # time every file
+    python scripts/run_suite.py --apply-times times.json   # est_time := what it took
+
+A suite may include others: the CPU suite is its own files plus its unit tier's (files with no
+server start and no rank spawn beyond a pool), so CI runs both and `scripts/test.sh --fast` the
+tier alone. `--write-times` records each file's measured wall time (a per-file run) in a JSON that
+test/scripts/test_run_suite.py holds every est_time to.
 
 Exit status: pytest's (0 when every file passed), 1 when a per-file run failed or the machine has
 too few GPUs for the suite, 2 for a registration problem or bad arguments. docs/testing.md says
@@ -26,7 +34,9 @@ import argparse
 import dataclasses
 import glob
 import importlib.util
+import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -43,10 +53,16 @@ class Suite:
     num_gpus: int
     triton_interpret: str  # TRITON_INTERPRET for the run, unless the environment sets it
     what: str
+    includes: tuple[str, ...] = ()  # suites whose files this one runs as well
 
 
+UNIT_SUITE = "nsa-cp-test-cpu-unit"
+UNIT_TIER_BUDGET_S = 360  # its files' est_time in all: under 5 minutes in one process (docs/testing.md)
 SUITES = {
-    "nsa-cp-test-cpu": Suite(HWBackend.CPU, 0, "1", "CPU with Triton's interpreter, what CI runs"),
+    "nsa-cp-test-cpu": Suite(
+        HWBackend.CPU, 0, "1", "CPU with Triton's interpreter, what CI runs (its unit tier included)", (UNIT_SUITE,)
+    ),
+    UNIT_SUITE: Suite(HWBackend.CPU, 0, "1", "the CPU suite's unit tier: no server start, no rank spawn"),
     # SGLang's forward runs a rank per GPU over NCCL where there are enough GPUs, else shares GPU 0
     "nsa-cp-test-1-gpu-h200": Suite(HWBackend.CUDA, 1, "0", "one or more H200s: kernels and SGLang's forward"),
 }
@@ -126,7 +142,8 @@ def collect(test_dir: str) -> list[CIRegistry]:
 def plan(registries: list[CIRegistry], suite: str, part_id: int | None, part_size: int | None):
     """(files to run, files the suite lists as disabled) for one suite and partition, by filename."""
     backend = SUITES[suite].backend
-    mine = [r for r in registries if r.backend is backend and r.effective_suite == suite and not r.nightly]
+    names = (suite, *SUITES[suite].includes)
+    mine = [r for r in registries if r.backend is backend and r.effective_suite in names and not r.nightly]
     enabled = [r for r in mine if r.disabled is None]
     if part_size is not None:
         enabled = auto_partition(enabled, part_id, part_size)
@@ -151,7 +168,54 @@ def pytest_command(files: list[str], pytest_args: list[str]) -> list[str]:
     return cmd + pytest_args + files
 
 
-def run_files(enabled: list[CIRegistry], pytest_args: list[str], per_file: bool, env: dict) -> int:
+def write_times(path: str, suite: str, rows: list[tuple[str, float, float, int]]) -> None:
+    """The per-file wall times of one run, with where and when they were taken (the load matters:
+    est_time is meant for an otherwise idle 2-core machine)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmark"))
+    from provenance import provenance
+
+    record = {
+        "provenance": provenance(model="toy models of the CPU suite", stand_ins=[]),
+        "suite": suite,
+        "load_average_at_end": os.getloadavg(),
+        "files": {name: {"est_s": est, "took_s": round(took, 1), "exit": rc} for name, est, took, rc in rows},
+    }
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+    print(f"run_suite: wrote {shown(path)}", flush=True)
+
+
+def est_time_for(took_s: float) -> int:
+    """A measured wall time as the est_time to register: rounded up to 5 s."""
+    return max(5, 5 * -(-round(took_s) // 5))
+
+
+def apply_times(path: str, test_dir: str) -> int:
+    """Rewrites each timed file's est_time to what it took; returns how many files changed."""
+    with open(path) as f:
+        files = json.load(f)["files"]
+    changed = 0
+    for name, row in files.items():
+        file = os.path.join(REPO, name)
+        if not os.path.exists(file) or not os.path.abspath(file).startswith(os.path.abspath(test_dir)):
+            continue
+        with open(file) as f:
+            text = f.read()
+        new = re.sub(
+            r"(register_c(?:pu|uda)_ci\(est_time=)[0-9.]+", rf"\g<1>{est_time_for(row['took_s'])}", text, count=1
+        )
+        if new != text:
+            with open(file, "w") as f:
+                f.write(new)
+            changed += 1
+    print(f"run_suite: est_time of {changed} file(s) set from {shown(path)}")
+    return changed
+
+
+def run_files(enabled: list[CIRegistry], pytest_args: list[str], per_file: bool, env: dict,
+              times: tuple[str, str] | None = None) -> int:  # fmt: skip
+    """times: (path, suite) to record each file's wall time (per-file runs only)."""
     files = [r.filename for r in enabled]
     t0 = time.monotonic()
     if not per_file:
@@ -172,6 +236,8 @@ def run_files(enabled: list[CIRegistry], pytest_args: list[str], per_file: bool,
     print(f"  {'file':{width}} {'est s':>6} {'took s':>7}  exit")
     for name, est, took, rc in rows:
         print(f"  {name:{width}} {est:6.0f} {took:7.0f}  {rc}{'' if rc in ok else '  FAILED'}")
+    if times:
+        write_times(*times, rows)
     return 0 if all(rc in ok for *_, rc in rows) else 1
 
 
@@ -182,6 +248,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--auto-partition-size", type=int, help="how many partitions the suite is split into")
     parser.add_argument("--per-file", action="store_true", help="one pytest process per file, with timings")
     parser.add_argument("--list", action="store_true", help="print the plan and exit")
+    parser.add_argument("--write-times", metavar="JSON", help="with --per-file: record each file's wall time there")
+    parser.add_argument(
+        "--apply-times", metavar="JSON", help="set each file's est_time from such a record; runs nothing"
+    )
     parser.add_argument(
         "--test-dir",
         default=os.path.join(REPO, "test"),
@@ -193,6 +263,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     pid, size = args.auto_partition_id, args.auto_partition_size
     if (pid is None) != (size is None):
         parser.error("--auto-partition-id and --auto-partition-size go together")
+    if args.write_times and not args.per_file:
+        parser.error("--write-times needs --per-file: one pytest process per file is what times a file")
     if size is not None and not (size >= 1 and 0 <= pid < size):
         parser.error(f"--auto-partition-id must be in [0, {size}) and the size at least 1; got {pid} of {size}")
     return args
@@ -200,6 +272,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.apply_times:
+        apply_times(args.apply_times, args.test_dir)
+        return 0
     registries = collect(args.test_dir)
     enabled, disabled = plan(registries, args.suite, args.auto_partition_id, args.auto_partition_size)
     part = "all" if args.auto_partition_size is None else f"{args.auto_partition_id} of {args.auto_partition_size}"
@@ -221,7 +296,8 @@ def main(argv: list[str]) -> int:
     # CPU suites run Triton's interpreter; GPU suites compile for the device. conftest.py would
     # otherwise turn the interpreter on everywhere, and the GPU files would skip.
     env = {**os.environ, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", suite.triton_interpret)}
-    return run_files(enabled, args.pytest_args, args.per_file, env)
+    times = (args.write_times, args.suite) if args.write_times else None
+    return run_files(enabled, args.pytest_args, args.per_file, env, times)
 
 
 if __name__ == "__main__":

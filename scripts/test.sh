@@ -4,6 +4,9 @@
 #                                                 the CPU suite through scripts/run_suite.py: every
 #                                                 registered test/**/test_*.py of suite nsa-cp-test-cpu,
 #                                                 after checking that every test file is registered
+#   bash scripts/test.sh --fast                   the formatter and linter, then the suite's unit tier
+#                                                 (nsa-cp-test-cpu-unit: no server start, no rank spawn;
+#                                                 about 4 minutes), the loop for everyday edits
 #   bash scripts/test.sh test/comm/test_tail.py -k x   exactly what it is given, as pytest arguments
 # A partition of the suite, or a GPU suite: .venv/bin/python scripts/run_suite.py --help
 set -euo pipefail
@@ -11,10 +14,12 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_cpu.sh
 # Triton's interpreter must be selected before triton is imported (sglang imports it too).
 export TRITON_INTERPRET=1
-if [ $# -eq 0 ]; then
+if [ $# -eq 0 ] || [ "$*" = --fast ]; then
   # `ruff format .` and `ruff check --fix .` fix most of what these report.
   .venv/bin/ruff format --check --quiet . || { echo "test.sh: run '.venv/bin/ruff format .'" >&2; exit 1; }
   .venv/bin/ruff check --quiet .
-  exec .venv/bin/python scripts/run_suite.py --suite nsa-cp-test-cpu
+  suite=nsa-cp-test-cpu
+  [ $# -eq 0 ] || suite=nsa-cp-test-cpu-unit
+  exec .venv/bin/python scripts/run_suite.py --suite "$suite"
 fi
 exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=900 "$@"

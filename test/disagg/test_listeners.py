@@ -29,7 +29,7 @@ from sglang_nsa_cp.disagg.listeners import (
     unbound_listeners,
 )
 
-register_cpu_ci(est_time=10, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=10, suite="nsa-cp-test-cpu-unit")
 
 HOST = "127.0.0.1"
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=5, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=5, suite="nsa-cp-test-cpu-unit")
 
 
 def _arg(args: list[str], flag: str) -> str:

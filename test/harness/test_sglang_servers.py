@@ -12,7 +12,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 from helpers import sglang_servers as S
 
-register_cpu_ci(est_time=10, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=10, suite="nsa-cp-test-cpu-unit")
 
 
 def test_ports_are_free_distinct_and_below_the_ephemeral_range():

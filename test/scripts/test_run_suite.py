@@ -4,6 +4,7 @@ split a suite into disjoint parts balanced by est_time. CPU, ~20 s (two runs of 
 
 import ast
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -133,12 +134,36 @@ def test_partitions_split_the_cpu_suite_once_balanced_by_est_time(size):
     assert max(sums) - min(sums) <= max(r.est_time for r in whole), f"{size=}, {sums=}"
 
 
+def test_the_cpu_suite_runs_its_unit_tier_and_the_tier_fits_the_five_minute_loop():
+    registries = collect_tests(RS.test_files(os.path.join(REPO, "test")))
+    whole = {r.filename for r in RS.plan(registries, "nsa-cp-test-cpu", None, None)[0]}
+    unit = RS.plan(registries, RS.UNIT_SUITE, None, None)[0]
+    assert unit and {r.filename for r in unit} < whole
+    # est_time per file is its own process's time; in one process the imports are paid once.
+    assert sum(r.est_time for r in unit) <= RS.UNIT_TIER_BUDGET_S, [(r.filename, r.est_time) for r in unit]
+
+
+def test_measured_times_become_est_times_rounded_up_to_five_seconds(tmp_path):
+    test_dir = tmp_path / "test"
+    test_dir.mkdir()
+    (test_dir / "test_a.py").write_text(REGISTERED)
+    (test_dir / "test_b.py").write_text(REGISTERED.replace("est_time=1", "est_time=40"))
+    times = tmp_path / "times.json"
+    rel = lambda f: os.path.relpath(test_dir / f, REPO)  # noqa: E731
+    times.write_text(json.dumps({"files": {rel("test_a.py"): {"took_s": 21.2}, rel("test_b.py"): {"took_s": 2.0}}}))
+    assert RS.apply_times(str(times), str(test_dir)) == 2
+    assert "register_cpu_ci(est_time=25," in (test_dir / "test_a.py").read_text()
+    assert "register_cpu_ci(est_time=5," in (test_dir / "test_b.py").read_text()
+    assert RS.apply_times(str(times), str(test_dir)) == 0  # already what was measured
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--auto-partition-id", "0"], "go together"),
         (["--auto-partition-id", "2", "--auto-partition-size", "2"], "got 2 of 2"),
         (["--suite", "nightly"], "invalid choice"),
+        (["--write-times", "t.json"], "--write-times needs --per-file"),
     ],
 )
 def test_bad_arguments_are_refused(argv, message, capsys):

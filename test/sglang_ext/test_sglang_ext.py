@@ -27,7 +27,7 @@ from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from helpers.resolution import TINY_DSA  # noqa: E402
 
-register_cpu_ci(est_time=40, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=40, suite="nsa-cp-test-cpu-unit")
 
 FLAG = "--enable-nsa-prefill-cp-shared-kv"
 
