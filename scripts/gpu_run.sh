@@ -25,7 +25,7 @@ out=${OUT:-gpu_out}
 mkdir -p "$out"
 # NVLink multicast stays off on shared machines (and SGLang must not try it).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 NSA_CP_FAIL_ON_SKIP=1  # a skip here means no CUDA or no bundle
 source scripts/gpu_unpack.sh /tmp/site >/dev/null || exit 1
 python3 scripts/check_gpu_imports.py >"$out/imports.log" 2>&1 || { tail -30 "$out/imports.log"; exit 1; }
 if [ "$what" = server ]; then

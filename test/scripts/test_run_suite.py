@@ -183,5 +183,25 @@ def test_arguments_after_double_dash_go_to_pytest():
     ]
 
 
+def test_a_skip_fails_the_gpu_run(tmp_path):
+    """scripts/gpu_run.sh sets NSA_CP_FAIL_ON_SKIP=1: a GPU test that skips (no CUDA, no bundle)
+    fails the run instead of passing it; without the variable a skip stays a skip."""
+    import shutil
+
+    shutil.copy(os.path.join(REPO, "test", "conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_gpu.py").write_text(
+        "import pytest\n\n@pytest.mark.skipif(True, reason='needs CUDA')\ndef test_kernel():\n    pass\n"
+    )
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_gpu.py")]
+    plain = subprocess.run(
+        cmd, cwd=tmp_path, capture_output=True, text=True, env=os.environ | {"NSA_CP_FAIL_ON_SKIP": "0"}
+    )
+    assert plain.returncode == 0 and "1 skipped" in plain.stdout, plain.stdout
+    strict = subprocess.run(
+        cmd, cwd=tmp_path, capture_output=True, text=True, env=os.environ | {"NSA_CP_FAIL_ON_SKIP": "1"}
+    )
+    assert strict.returncode == 1 and "needs CUDA" in strict.stdout, strict.stdout
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -112,25 +112,37 @@ def test_fp8_shared_pool_stores_with_the_fused_kernel(runs):
     """The plugin's subclass quantizes a chunk once, in `kernels.store_mla_fp8_owned_and_scratch`
     (on CUDA its kernel, which never calls SGLang's `quantize_k_cache_separate`); SGLang's
     replicated fp8 pool calls that quantizer at every layer's store."""
+    from helpers import sglang_gpu_harness as G
+
     for name in ("fp8-shared", "cp4-fp8-shared"):
         print(name, "SGLang quantizer calls:", [r["fp8_quantizations"] for r in runs[name]])
         assert all(r["fp8_quantizations"] == 0 for r in runs[name]), name
-    print("fp8-replicated", "SGLang quantizer calls:", [r["fp8_quantizations"] for r in runs["fp8-replicated"]])
+    # the control: the count sees SGLang's quantizer (once per layer and prefill batch)
+    want = G.GLM5_ATTN["num_hidden_layers"] * 3
+    for name in ("fp8-replicated", "cp4-fp8-replicated"):
+        print(name, "SGLang quantizer calls:", [r["fp8_quantizations"] for r in runs[name]])
+        assert all(r["fp8_quantizations"] == want for r in runs[name]), f"{name}: want {want} per rank"
 
 
 def test_cp_matches_cp_off_within_bf16_rounding(runs):
+    """CP's reductions run in another order than CP off's: at most 1.2 % of the logits' scale on
+    2026-12-01's run (gpu_suite_1xh200.log); 2 % leaves room for the hardware, not for a regression."""
     (off,) = runs["off"]
     for b, (cp, ref) in enumerate(zip(runs["replicated"][0]["logits"], off["logits"])):
         scale = float(ref.abs().max())
         diff = float((cp - ref).abs().max())
         print(f"batch {b}: max |CP=2 - CP off| = {diff:.3e} (logits up to {scale:.2f})")
-        assert diff <= 0.05 * scale, f"batch {b}: CP=2 differs from CP off by {diff} on logits up to {scale}"
+        assert diff <= 0.02 * scale, f"batch {b}: CP=2 differs from CP off by {diff} on logits up to {scale}"
 
 
-def test_stand_ins_report(runs):
-    """Not a check: every stand-in that SGLang reached, with its caller, into the log."""
+def test_no_stand_in_is_called_in_the_forward(runs):
+    """SGLang's forward runs on real kernels only: the stand-ins it reaches are import-time
+    lookups of sgl_kernel ops, never a call (each use, with its caller, goes to the log)."""
     for name, ranks in runs.items():
-        print(name, ranks[0]["stand_ins"])
+        for rank, r in enumerate(ranks):
+            print(name, rank, r["stand_ins"])
+            called = [line for line in r["stand_ins"].splitlines() if line.strip().startswith("call ")]
+            assert not called, f"{name}, rank {rank}: stand-ins called in the forward: {called}"
 
 
 if __name__ == "__main__":
