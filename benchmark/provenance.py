@@ -7,7 +7,8 @@ the tree, so before a device run
 
     python benchmark/provenance.py --stamp      # writes .provenance.json (git-ignored; carry it)
 
-records here what git says and a hash of every tracked file. `provenance()` believes the stamp only
+records here what git says and a hash of every tracked file (`--header WHAT` prints the block as a
+log's first line). `provenance()` believes the stamp only
 while the files still hash the same (then the tree is the stamped one), else reads git, and says
 "unknown" when it has neither.
 """
@@ -119,8 +120,17 @@ def stamp() -> dict:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--header"]:  # a log's first line: scripts/gpu_run.sh
+        import torch  # noqa: F401  (the GPUs and versions in the machine block)
+
+        block = {**provenance("see the log"), "command": " ".join(sys.argv[2:])}
+        print("# provenance: " + json.dumps(block))
+        raise SystemExit(0)
     if sys.argv[1:] != ["--stamp"]:
-        raise SystemExit("usage: python benchmark/provenance.py --stamp   (writes .provenance.json)")
+        raise SystemExit(
+            "usage: python benchmark/provenance.py --stamp   (writes .provenance.json)\n"
+            "       python benchmark/provenance.py --header WHAT...   (one JSON line for a log)"
+        )
     s = stamp()
     print(f"provenance: {s['commit'][:12]}{' (dirty: ' + ', '.join(s['dirty_files']) + ')' if s['dirty'] else ''}"
           f" -> {os.path.relpath(STAMP)}")  # fmt: skip

@@ -34,7 +34,8 @@ if [ "$what" = server ]; then
 fi
 status=0
 if [ "$what" != bench ]; then
-  python3 scripts/run_suite.py --suite nsa-cp-test-1-gpu-h200 --per-file -- -s 2>&1 |
+  { python3 benchmark/provenance.py --header bash scripts/gpu_run.sh tests
+    python3 scripts/run_suite.py --suite nsa-cp-test-1-gpu-h200 --per-file -- -s; } 2>&1 |
     tee "$out/nsa-cp-test-1-gpu-h200.log" | grep -v "^$" | tail -40
   status=${PIPESTATUS[0]}
 fi

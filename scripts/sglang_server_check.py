@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import re
 import sys
 import tarfile
@@ -40,8 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test"))
 NEW_TOKENS = 6
 GPU_CONFIGS = ["bfloat16:2", "bfloat16:4", "fp8_e4m3:2", "fp8_e4m3:4"]
 # The configurations share one GPU. Four clusters at once (32 processes) ran an H200 out of memory
-# (benchmark/results/sglang_server_check_1xh200_run{4,5}.*: oracles on their long prompts, then
-# a prefill mid-request): --at-once 2 by default.
+# (oracles on their long prompts, then a prefill mid-request): --at-once 2 by default.
 # A long prompt's oracle needs GBs for a moment (SGLang's unfused top-k over 8,192 x 100k logits), so
 # the long prompts also take turns, each cluster stopping before the next one's turn.
 LONG_PROMPT_TURN = threading.Lock()
@@ -194,6 +192,21 @@ def print_table(results: list[dict]) -> None:
         print(f"  GPU stand-ins used: {len(used)}" + "".join(f"\n    {u}" for u in used))
 
 
+def run_provenance(results: list[dict]) -> dict:
+    """benchmark/provenance.py's block: commit, machine, command, the checkpoint's shape, stand-ins."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
+    from provenance import provenance
+
+    from helpers.sglang_gpu_servers import MODEL
+
+    shape = {k: MODEL[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "kv_lora_rank",
+                                   "qk_rope_head_dim", "index_topk", "vocab_size") if k in MODEL}  # fmt: skip
+    model = {"toy model": f"{shape.get('num_hidden_layers')} layers, hidden {shape.get('hidden_size')}, random weights",
+             **shape}  # fmt: skip
+    used = sorted({u for r in results for names in r.get("stand_ins", {}).values() for u in names})
+    return provenance(model, used)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -239,16 +252,9 @@ def main(argv=None) -> int:
     ok = all(verdict(r) for r in results)
     print_table(results)
     os.makedirs(args.out, exist_ok=True)
-    machine = {"device": args.device, "python": platform.python_version()}
-    try:
-        import torch
-
-        machine.update(torch=torch.__version__, gpu=torch.cuda.get_device_name(0) if args.device == "cuda" else None)
-    except Exception:  # noqa: BLE001
-        pass
     with open(os.path.join(args.out, f"sglang_server_check_{args.device}.json"), "w") as f:
-        json.dump({"machine": machine, "ok": ok, "wall_s": round(time.monotonic() - t0, 1), "configs": results},
-                  f, indent=1, default=str)  # fmt: skip
+        json.dump({"provenance": run_provenance(results), "ok": ok, "wall_s": round(time.monotonic() - t0, 1),
+                   "configs": results}, f, indent=1, default=str)  # fmt: skip
     with tarfile.open(os.path.join(args.out, f"sglang_server_logs_{args.device}.tar.xz"), "w:xz") as tar:
         for r in results:
             if os.path.isdir(os.path.join(r.get("workdir", ""), "logs")):
