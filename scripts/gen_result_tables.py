@@ -49,9 +49,55 @@ def kernels(raw: dict) -> str:
     return "\n".join([head, *rows])
 
 
+def _pick(values: list[int], wanted: tuple[int, ...]) -> list[int]:
+    """The wanted values the grid has (two or more), else its first, middle and last."""
+    have = [v for v in wanted if v in values]
+    return have if len(have) > 1 else sorted({values[0], values[len(values) // 2], values[-1]})
+
+
+def glm5_layer(raw: dict) -> str:
+    """Measured ms per part at a few grid points, then every part's fit (benchmark/layer_terms.py)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmark"))
+    import layer_terms
+
+    terms = layer_terms.LayerTerms(raw, os.path.join(RESULTS, "bench_glm5_layer_1xh200.json"))
+    ms = {(p["part"], p["kv"], p.get("new"), p.get("history")): p["ms"] for p in raw["points"]}
+    grid = raw["grid"]
+    head = ("| KV | q (new tokens) | history | attention ms | indexer ms | gemms ms | moe ms | sum ms |\n"
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")  # fmt: skip
+    rows = []
+    for kv in layer_terms.KV:
+        for q in _pick(grid["new"], (1024, 4096, 16384)):
+            for h in _pick(grid["history"], (0, 131072, 1048576)):
+                parts = [ms[("attention", kv, q, h)], ms[("indexer", None, q, h)], ms[("gemms", None, q, None)],
+                         ms[("moe", None, q, None)]]  # fmt: skip
+                rows.append(
+                    f"| {kv} | {q:,} | {h:,} | " + " | ".join(f"{v:,.3f}" for v in parts) + f" | {sum(parts):,.3f} |"
+                )
+    fits = ["| part | KV | ms = | max rel err | points |", "| --- | --- | --- | ---: | ---: |"]
+    seen = set()
+    for (part, kv), fit in terms.fits.items():
+        if id(fit) not in seen:
+            seen.add(id(fit))
+            fits.append(
+                f"| {part} | {kv if fit.kv else 'both'} | {fit.formula()} | {100 * fit.max_rel_err:.1f} % | {fit.points} |"
+            )
+    modes = raw["modes"]
+    gemm_modes = sorted(set(modes["gemms"].values()))
+    note = (f"GEMMs through `torch._scaled_mm`: {', '.join(gemm_modes)}; MoE: {modes['moe']}, shared expert "
+            f"{modes['moe_dense']}; {len(raw['points'])} points in {raw['wall_s']:.0f} s.")  # fmt: skip
+    return "\n".join([head, *rows, "", *fits, "", note])
+
+
 # name -> (results file, renderer of its table)
 BLOCKS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "kernels": ("bench_kernels.json", kernels),
+    "glm5_layer": ("bench_glm5_layer_1xh200.json", glm5_layer),
+}
+# name -> the command that writes its results file, for blocks that render "not run yet" without it
+NOT_RUN_YET = {
+    "glm5_layer": "bash scripts/gpu_run.sh layer (on 1 x H200), then copy $OUT/bench_glm5_layer_1xh200.json "
+    "to benchmark/results/",
 }
 
 
@@ -59,6 +105,8 @@ def render(name: str) -> str:
     if name not in BLOCKS:
         raise KeyError(f"no renderer {name!r} in scripts/gen_result_tables.py (known: {', '.join(BLOCKS)})")
     results_file, renderer = BLOCKS[name]
+    if name in NOT_RUN_YET and not os.path.exists(os.path.join(RESULTS, results_file)):
+        return f"not run yet: `{NOT_RUN_YET[name]}`\n"
     raw = load(results_file)
     return f"{renderer(raw)}\n\n{source_line(results_file, raw)}\n"
 

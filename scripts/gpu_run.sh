@@ -5,6 +5,11 @@
 #
 #   bash scripts/gpu_run.sh [tests|bench|all] [benchmark arguments...]
 #   bash scripts/gpu_run.sh server [scripts/sglang_server_check.py arguments...]
+#   bash scripts/gpu_run.sh layer [benchmark/bench_glm5_layer.py arguments...]
+#
+# `layer` times one GLM-5 DSA layer's parts on one GPU at GLM-5's shapes (docs/glm5_layer.md):
+# $OUT/bench_glm5_layer_1xh200.json and its log; it needs FlashMLA and SGLang's dequantizer from
+# the bundle, not the server imports, so the import check is skipped.
 #
 # `server` starts SGLang's real servers with the flag on this GPU (docs/sglang_gpu_server.md) and
 # checks them over HTTP against a non-CP oracle; by default bf16 and fp8 KV at CP 2 and 4 (two at
@@ -27,6 +32,10 @@ mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 NSA_CP_FAIL_ON_SKIP=1  # a skip here means no CUDA or no bundle
 source scripts/gpu_unpack.sh /tmp/site >/dev/null || exit 1
+if [ "$what" = layer ]; then
+  python3 benchmark/bench_glm5_layer.py --out "$out" "$@" 2>&1 | tee "$out/bench_glm5_layer_1xh200.log" | tail -70
+  exit "${PIPESTATUS[0]}"
+fi
 python3 scripts/check_gpu_imports.py >"$out/imports.log" 2>&1 || { tail -30 "$out/imports.log"; exit 1; }
 if [ "$what" = server ]; then
   python3 scripts/sglang_server_check.py --device cuda --out "$out" "$@" 2>&1 | tee "$out/sglang_server_check.log" | tail -60
