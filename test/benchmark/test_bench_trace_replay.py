@@ -140,7 +140,8 @@ def test_pool_rows_are_what_sglangs_pool_configurator_computes():
 
 def test_mem_fraction_and_per_rank_chunk_are_what_sglang_resolves():
     # SGLang's own argument resolution for a GLM-5 PD prefill on an H200 (device memory and
-    # capability stood in; nothing else), against the budget's reproduction of its rule.
+    # capability stood in, and the prefill CUDA graph's CUDA default, `breakable`, forced: CPU
+    # torch defaults it off), against the budget's reproduction of its rule, for every layout.
     script = textwrap.dedent(f"""
         import json, sys, tempfile
         from unittest import mock
@@ -150,24 +151,73 @@ def test_mem_fraction_and_per_rank_chunk_are_what_sglang_resolves():
         cfg = json.load(open({str(TB.MODELS["glm5"])!r})); cfg.pop("_source")
         d = tempfile.mkdtemp(); json.dump(cfg, open(d + "/config.json", "w"))
         out = {{}}
-        for name, extra in (("cp8", dict(attn_cp_size=8)), ("dp8", dict(dp_size=8, enable_dp_attention=True))):
+        layouts = (("replicated", dict(attn_cp_size=8)), ("dp_attention", dict(dp_size=8, enable_dp_attention=True)),
+                   ("tp", {{}}), ("layer_split", dict(attn_cp_size=8, enable_prefill_cp=True, cp_strategy="interleave",
+                                                      enable_dsa_cache_layer_split=True)))
+        for name, extra in layouts:
             with mock.patch.object(mh, "get_device_memory_capacity", lambda device=None: {TB.H200_MIB}), \\
                  mock.patch.object(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0)), \\
-                 mock.patch.object(torch.cuda, "is_available", lambda: True):
+                 mock.patch.object(torch.cuda, "is_available", lambda: True), \\
+                 mock.patch("sglang.srt.model_executor.cuda_graph_config.default_prefill_backend", lambda: "breakable"):
                 a = ServerArgs(model_path=d, tp_size=8, disaggregation_mode="prefill", device="cuda",
                                skip_tokenizer_init=True, kv_cache_dtype="fp8_e4m3", **extra)
                 a.resolve_once()
             r = a.resolved_dict()
-            out[name] = [r["mem_fraction_static"], r["chunked_prefill_size"], r["page_size"], r["hicache_ratio"]]
+            out[name] = [r["mem_fraction_static"], r["chunked_prefill_size"], r["page_size"], r["hicache_ratio"],
+                         r["cuda_graph_config"]["prefill"]["backend"] == "breakable", r["load_balance_method"]]
         print(json.dumps(out))
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
-    ours = [TB.mem_fraction_static(8192), 8192, TB.PAGE, TB.HICACHE_RATIO]
-    assert got["cp8"] == ours, got
-    assert got["dp8"] == [ours[0], TB.per_rank_chunk(8192, TB.Layout("dp_attention", 8)), TB.PAGE, 2.0], got
+    for path, resolved in got.items():
+        layout = TB.Layout(path, 8)
+        ours = [TB.mem_fraction_static(8192, prefill_cuda_graph=layout.prefill_cuda_graph),
+                TB.per_rank_chunk(8192, layout), TB.PAGE, TB.HICACHE_RATIO, layout.prefill_cuda_graph]
+        assert resolved[:5] == ours, (path, resolved, ours)
+        # a PD prefill's DP ranks follow the bootstrap room (trace_routing.route_dp's default dispatch)
+        assert resolved[5] == "follow_bootstrap_room", resolved
+    assert got["dp_attention"][0] == 0.893 and got["replicated"][0] == 0.904  # the 1.5 GiB graph reserve
+
+
+def test_layer_split_cell_is_sglangs_effective_layers():
+    # SGLang's own sizing functions under its layer-split switch, on a stand-in model runner
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.cp.utils import get_glm_dsa_layer_split_effective_num_layers
+    from sglang.srt.runtime_context import get_parallel
+
+    glm5 = TB.load_model("glm5")
+    runner = SimpleNamespace(is_draft_worker=False, use_mla_backend=True,
+                             model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=glm5["architectures"],
+                                                                                  index_topk=2048)))  # fmt: skip
+    for width in (2, 4, 8):
+        with get_parallel().override(attn_cp_size=width, enable_dsa_cache_layer_split=True):
+            latent = get_glm_dsa_layer_split_effective_num_layers(runner, 78)
+        got = TB.layer_split_layers(78, width)
+        assert got[0] == latent, (width, got, latent)
+    assert TB.layer_split_layers(78, 8) == (11, 11, 9)  # 6 ranks own 10 layers, 2 own 9
+    assert TB.cell_bytes(glm5, TB.Layout("layer_split", 8), "fp8") == 11 * 656 + 11 * 132
+
+
+def test_capacity_of_every_layout_at_cp8_fp8():
+    # Every term of the budget is printed; these are its sums (GLM-5 FP8, fp8 KV, 8 x H200, C=1)
+    glm5 = TB.load_model("glm5")
+    scratch = B.scratch_bytes(8, "fp8", 1, 8192, glm5["max_position_embeddings"])
+    got = {p: TB.node_budget(glm5, TB.Layout(p, 8), "fp8", 61464, scratch) for p in TB.PATHS}
+    rows = {p: b.tokens_per_rank for p, b in got.items()}
+    # one pool's bytes over each layout's cell: the same KV GiB for the CP layouts (attention TP 1)
+    assert got["replicated"].kv_pool_bytes == got["shared"].kv_pool_bytes == got["layer_split"].kv_pool_bytes
+    assert rows["layer_split"] == got["layer_split"].kv_pool_bytes // (11 * 788) // 64 * 64
+    assert got["shared"].capacity_tokens == 8 * rows["shared"] and got["dp_attention"].capacity_tokens == 8 * rows["dp_attention"]
+    # DP and TP keep the prefill graph (0.893), CP does not (0.904)
+    assert got["dp_attention"].mem_fraction_static == got["tp"].mem_fraction_static == 0.893
+    # plain TP splits attention 8 ways: more room than replicated CP 8, which replicates it
+    assert got["tp"].capacity_tokens > got["replicated"].capacity_tokens
+    assert got["shared"].capacity_tokens > got["layer_split"].capacity_tokens > got["dp_attention"].capacity_tokens
+    with pytest.raises(ValueError, match="tp: width must be"):
+        TB.Layout("tp", 4)
 
 
 def test_routing_sticky_round_robin_and_cache_aware():
