@@ -228,8 +228,11 @@ def node_budget(model: dict, layout: Layout, kv_dtype: str, kv_bytes_per_token: 
     host_cell = (-(-model["num_hidden_layers"] // layout.width) * (LATENT_ROW_BYTES[kv_dtype] + INDEX_ROW_BYTES)
                  if layout.path == "layer_split" else kv_bytes_per_token)  # fmt: skip
     host_bytes = host_rows * host_cell * layout.tp
-    graph = "prefill CUDA graph on (breakable): +1.5 GiB reserved" if layout.prefill_cuda_graph else \
-        "prefill CUDA graph off under attention CP"
+    graph = (
+        "prefill CUDA graph on (breakable): +1.5 GiB reserved"
+        if layout.prefill_cuda_graph
+        else "prefill CUDA graph off under attention CP"
+    )
     cell_rule = (f"{kv_bytes_per_token} B per token" if cell == kv_bytes_per_token else
                  f"{cell} B per token (layer split: {layer_split_layers(model['num_hidden_layers'], layout.width)[:2]} "
                  f"latent / index-K layers of {LATENT_ROW_BYTES[kv_dtype]} / {INDEX_ROW_BYTES} B)")  # fmt: skip

@@ -173,8 +173,13 @@ def test_mem_fraction_and_per_rank_chunk_are_what_sglang_resolves():
     got = json.loads(run.stdout.strip().splitlines()[-1])
     for path, resolved in got.items():
         layout = TB.Layout(path, 8)
-        ours = [TB.mem_fraction_static(8192, prefill_cuda_graph=layout.prefill_cuda_graph),
-                TB.per_rank_chunk(8192, layout), TB.PAGE, TB.HICACHE_RATIO, layout.prefill_cuda_graph]
+        ours = [
+            TB.mem_fraction_static(8192, prefill_cuda_graph=layout.prefill_cuda_graph),
+            TB.per_rank_chunk(8192, layout),
+            TB.PAGE,
+            TB.HICACHE_RATIO,
+            layout.prefill_cuda_graph,
+        ]
         assert resolved[:5] == ours, (path, resolved, ours)
         # a PD prefill's DP ranks follow the bootstrap room (trace_routing.route_dp's default dispatch)
         assert resolved[5] == "follow_bootstrap_room", resolved
@@ -210,7 +215,10 @@ def test_capacity_of_every_layout_at_cp8_fp8():
     # one pool's bytes over each layout's cell: the same KV GiB for the CP layouts (attention TP 1)
     assert got["replicated"].kv_pool_bytes == got["shared"].kv_pool_bytes == got["layer_split"].kv_pool_bytes
     assert rows["layer_split"] == got["layer_split"].kv_pool_bytes // (11 * 788) // 64 * 64
-    assert got["shared"].capacity_tokens == 8 * rows["shared"] and got["dp_attention"].capacity_tokens == 8 * rows["dp_attention"]
+    assert (
+        got["shared"].capacity_tokens == 8 * rows["shared"]
+        and got["dp_attention"].capacity_tokens == 8 * rows["dp_attention"]
+    )
     # DP and TP keep the prefill graph (0.893), CP does not (0.904)
     assert got["dp_attention"].mem_fraction_static == got["tp"].mem_fraction_static == 0.893
     # plain TP splits attention 8 ways: more room than replicated CP 8, which replicates it
