@@ -1,138 +1,150 @@
-"""Time of one prefill step of an 8-GPU node, and the queue that turns it into TTFT.
+"""Time of one prefill step of an 8-GPU node from the GLM-5 layer terms measured on one H200
+(`layer_terms.py`, `bench_glm5_layer.py`), the bytes SGLang's collectives move (`traffic.py`) and
+how SGLang overlaps them, and the queue that turns steps into TTFT.
 
-    step_ms = outside + max over the node's workers of attention_w + moe_extra(all new tokens) + load_back
+Per layer, on the busiest GPU of the node:
 
-Every term, its source, and what it does not model (`TERMS`, printed by the command):
-- outside, attention_w: fitted to the chunks `bench_sglang_prefill.py` timed on 2 x H200 with
-  the deleted pool (16 DSA layers with a dense 12,288-wide MLP each, CP=2; stand-ins listed in
-  the result files) -- MEASURED ON THE DELETED POOL, to be re-measured on #33's machine. Scaled
-  x 78/16 layers and x 2/g GPUs, where g shares one worker's attention: 8 for CP (W x attention
-  TP), 8/W for a DP rank (its attention TP), so a DP rank runs a long prompt's attention on 8/W
-  GPUs alone. Going from 2 to g > 2 GPUs costs efficiency ATTN_EFFICIENCY (assumed).
-- moe_extra: GLM-5's MoE (8 routed + 1 shared expert of 3 x 6144 x 2048 per token, 75 layers)
-  in FLOPs on the node's 8 GPUs at an MFU (assumed), less the measured dense MLP it replaces in
-  the low and mid cases; the high case adds it whole. Not modelled: EP all-to-all, fp8 GEMM
-  efficiency beyond the MFU, the shared path's gather at CP=8 (its CP=2 cost is in the fit).
-- load_back: HiCache host pages brought back over PCIe (H2D_GBPS per GPU, assumed): every GPU
-  of a replicated group loads the whole page, a shared rank its 1/W; overlapped with compute in
-  the low case (SGLang loads layer by layer), serial in the others.
-Ranges: each term at its low, mid and high value together.
+    compute  = attention + indexer + gemms (its worker's slice) + moe (all the node's new tokens / 8)
+               + store (the chunk's KV write)
+    exposed  = compute-stream collectives + max(0, side-stream collectives - what they hide under)
+    step     = moe layers x moe + layers x (compute - moe + exposed) + tail gather + HiCache load-back
+
+- A CP rank (replicated, shared, layer split at W) holds every request's interleaved 1/W of the
+  new tokens: `terms.ms(part, kv, n / W, h + n/2 - n/(2W))`, the history chosen so the query-key
+  pairs are the slice's, (n / W)(h + n/2). A DP rank runs its own batch whole; plain TP runs the
+  whole batch. Attention and the split projections divide by the attention-TP width g (heads
+  split g ways: linear, assumed); the indexer does not (SGLang replicates its weights, so every
+  attention-TP rank computes it whole). The MoE runs over all 8 GPUs in every layout (EP / TP 8),
+  so each GPU's share is the node's new tokens / 8 -- DP attention included.
+- The flag's history all-gather runs one layer ahead on its own stream and hides under the whole
+  layer (`_prefetch_layer`, kicked when the previous layer reads its slot); its send block's fill
+  (`index_select`, `terms.fill_ms`) runs on that stream too. Layer split's latent broadcast is
+  kicked after the previous layer's attention, so it hides only under that layer's MoE and the
+  next one's projections; its index-K broadcast and every chunk all-gather and hidden-state
+  collective run on the compute stream, fully exposed.
+- A collective takes bus_bytes / busBW + a latency: busBW from nccl-tests all-gather / broadcast
+  on 8 x H100/H200 NVLink4 (BUS_GBPS, large messages; below it latency dominates).
+- HiCache load-back: host pages over PCIe (H2D_GBPS per GPU, assumed); every GPU of a replicated
+  group loads the whole page, a shared rank its 1/W; overlapped with compute in the low case
+  (SGLang loads layer by layer), serial in the others.
+- Not modelled: GLM-5's first dense MLP layers (no MoE term there), EP all-to-all imbalance,
+  contention between the side stream's collective and the compute stream's, attention-TP
+  efficiency, a kernel's launch gaps between requests of one batch.
+
+Ranges: low = every measured term x (1 - its fit's max error), the fastest bus, the shortest
+latency; high the opposite; mid the measured fits.
 """
 
 from __future__ import annotations
 
-import json
-import os
+import traffic as TF
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MEASUREMENTS = {
-    "bf16": os.path.join(ROOT, "benchmark", "results", "bench_sglang_prefill.json"),
-    "fp8": os.path.join(ROOT, "benchmark", "results", "bench_sglang_prefill_fp8.json"),
-}
-H200_FP8_DENSE_TFLOPS = 1979.0  # NVIDIA H200 datasheet, FP8 tensor core, dense
 CASES = ("low", "mid", "high")
-ATTN_EFFICIENCY = {"low": 1.0, "mid": 0.85, "high": 0.7}  # scaling 2 -> 8 GPUs: assumed
-MOE_MFU = {"low": 0.6, "mid": 0.4, "high": 0.25}  # assumed
-FIT_ERROR = {"low": 0.95, "mid": 1.0, "high": 1.05}  # the fit's worst point: 4.4 % (measured)
+# nccl-tests all_gather_perf / broadcast_perf busBW at >= 256 MB on 8 x H100/H200 SXM (NVLink4,
+# 900 GB/s bidirectional per GPU): published runs report ~350-370 GB/s; NOT measured here
+BUS_GBPS = {"low": 370.0, "mid": 360.0, "high": 350.0}
+BUS_SOURCE = "nccl-tests all-gather / broadcast busBW on 8 x H100/H200 NVLink4, ~350-370 GB/s (published, not measured)"
+LATENCY_US = {"low": 10.0, "mid": 20.0, "high": 40.0}  # one NCCL collective on NVLink: assumed
 H2D_GBPS = {"low": 55.0, "mid": 50.0, "high": 40.0}  # PCIe Gen5 x16 host-to-device: assumed
-COST_FORM = "chunk_ms = outside_ms + (78/16) x (2/g) x (c0 + c1 x new + c2 x sum_i new_i x (hist_i + new_i / 2))"
-
-TERMS = [
-    ("outside, attention (c0, c1, c2)", "bench_sglang_prefill*.json: 2 x H200, CP=2, 16 layers, the deleted pool",
-     "MEASURED ON THE DELETED POOL; MoE, CP>2 and the CP=8 gather not measured"),
-    ("attention scaling 2 -> g GPUs", f"assumed efficiency {ATTN_EFFICIENCY}", "no measurement at CP 4 or 8"),
-    ("MoE", f"FLOPs of 9 experts x 3 x 6144 x 2048 x 75 layers at MFU {MOE_MFU} of {H200_FP8_DENSE_TFLOPS:.0f} TFLOPS",
-     "EP all-to-all, expert imbalance"),
-    ("HiCache load-back", f"KV bytes / {H2D_GBPS} GB/s per GPU", "host memory bandwidth limits, prefetch from storage"),
-    ("fit error", f"x {FIT_ERROR}", "-"),
-]  # fmt: skip
+CP_PATHS = ("replicated", "shared", "layer_split")
 
 
-def fit_cost_model(paths: dict[str, str] = MEASUREMENTS) -> dict:
-    """Least-squares fit of every chunk the H200 runs timed (16 layers, CP=2 on 2 x H200): layer
-    time (chunk ms - the case's time outside the layers) against new tokens and the attention
-    pairs new x (history + new / 2), per KV dtype and path (replicated; shared with prefetch)."""
-    import numpy as np
+def load_terms(path: str | None = None):
+    """The measured layer terms; `layer_terms.load` refuses, naming the GPU command, while missing."""
+    import layer_terms
 
-    model = {"form": COST_FORM, "layers_measured": None, "cp_measured": None, "sources": {}, "stand_ins": {},
-             "fits": {}}  # fmt: skip
-    for kv_dtype, path in paths.items():
-        raw = json.load(open(path))
-        model["layers_measured"], model["cp_measured"] = raw["args"]["layers"], raw["args"]["cp"]
-        model["sources"][kv_dtype] = os.path.relpath(path, ROOT)
-        model["stand_ins"][kv_dtype] = raw["stand_ins"].splitlines()[0]
-        for name, measured in (("replicated", "replicated"), ("shared", "shared_prefetch")):
-            points = []  # (new, hist, chunk_ms, outside_ms)
-            for p in (p for p in raw["paths"] if p["path"] == measured):
-                for new, hist, ms in _chunks_of(p["case"], raw["args"]["chunk"], p["chunk_ms"]):
-                    points.append((new, hist, ms, p["outside_layers_ms_per_chunk"]))
-            a = np.array([[1.0, n, n * (h + n / 2)] for n, h, _, _ in points])
-            y = np.array([ms - out for _, _, ms, out in points])
-            coef = np.linalg.lstsq(a, y, rcond=None)[0]
-            outside = float(np.mean([out for *_, out in points]))
-            fit = [float(outside + a_i @ coef) for a_i in a]
-            errs = [abs(f - ms) / ms for f, (_, _, ms, _) in zip(fit, points)]
-            model["fits"][f"{name}/{kv_dtype}"] = {
-                "c0_ms": float(coef[0]), "c1_ms_per_token": float(coef[1]), "c2_ms_per_pair": float(coef[2]),
-                "outside_ms": outside, "max_rel_err": max(errs), "mean_rel_err": sum(errs) / len(errs),
-                "points": [{"new": n, "hist": h, "measured_ms": ms, "fit_ms": f} for (n, h, ms, _), f in zip(points, fit)],
-            }  # fmt: skip
-    return model
+    return layer_terms.load() if path is None else layer_terms.load(path=path)
 
 
-def _chunks_of(case: str, chunk: int, chunk_ms: list[float]):
-    """(new, history, ms) of each timed chunk of a bench_sglang_prefill case: 'cold 32k' (chunks
-    of `chunk` from history 0) or 'hit 60k+4k' (one chunk of 4k after a 60k prefix)."""
-    kind, size = case.split()
-    if kind == "cold":
-        return [(chunk, i * chunk, ms) for i, ms in enumerate(chunk_ms)]
-    prefix, new = (int(s[:-1]) * 1024 for s in size.split("+"))
-    assert len(chunk_ms) == 1, f"{case}: one chunk expected, got {len(chunk_ms)}"
-    return [(new, prefix, chunk_ms[0])]
-
-
-def measured_chunk_ms(model: dict, path: str, kv_dtype: str, batch: list[tuple[int, int]]) -> float:
-    """The fit as measured (16 layers, 2 GPUs): the check that it reproduces the timed chunks."""
-    fit = model["fits"][f"{path}/{kv_dtype}"]
-    return fit["outside_ms"] + _layers_ms(fit, batch)
-
-
-def _layers_ms(fit: dict, batch) -> float:
-    new = sum(n for n, _ in batch)
-    pairs = sum(n * (h + n / 2) for n, h in batch)
-    return fit["c0_ms"] + fit["c1_ms_per_token"] * new + fit["c2_ms_per_pair"] * pairs
+def terms_lines() -> list[tuple[str, str, str]]:
+    """(term, source, not modelled) for the report."""
+    return [
+        ("attention, indexer, gemms, moe, fill, store", "layer_terms.py: one GLM-5 layer on one H200 (bench_glm5_layer)",
+         "attention-TP efficiency, dense MLP layers"),
+        ("collectives", f"traffic.py bytes / {BUS_SOURCE} + {LATENCY_US} us each", "side/compute stream contention"),
+        ("overlap", "SGLang's streams: the flag's gather under the layer, layer split's latent broadcast under the "
+         "MoE + projections, everything else exposed", "-"),
+        ("HiCache load-back", f"KV bytes / {H2D_GBPS} GB/s per GPU", "host memory bandwidth, storage prefetch"),
+    ]  # fmt: skip
 
 
 class StepCost:
-    """step_ms for one arm and one case (low/mid/high) of the model's uncertainty."""
+    """step_ms for one arm and one case (low/mid/high)."""
 
-    def __init__(self, model: dict, mcfg: dict, path: str, kv_dtype: str, attn_gpus: int, width: int, case: str,
-                 kv_bytes_per_token: int):  # fmt: skip
-        self.fit = model["fits"][f"{'shared' if path == 'shared' else 'replicated'}/{kv_dtype}"]
-        eff = ATTN_EFFICIENCY[case] if attn_gpus > model["cp_measured"] else 1.0
-        self.attn_scale = (mcfg["num_hidden_layers"] / model["layers_measured"]) * (model["cp_measured"] / attn_gpus)
-        self.attn_scale *= FIT_ERROR[case] / eff
-        h, moe_i = mcfg["hidden_size"], mcfg["moe_intermediate_size"]
-        moe_layers = mcfg["num_hidden_layers"] - mcfg["first_k_dense_replace"]
-        experts = mcfg["num_experts_per_tok"] + mcfg["n_shared_experts"]
-        moe_flops = 2 * experts * 3 * h * moe_i * moe_layers
-        stand_in = 2 * 3 * h * 12288 * mcfg["num_hidden_layers"]  # the measured dense MLP, scaled to all layers
-        extra = moe_flops if case == "high" else max(moe_flops - stand_in, 0)
-        self.moe_ms_per_token = extra / (8 * H200_FP8_DENSE_TFLOPS * 1e12 * MOE_MFU[case]) * 1e3
+    def __init__(self, terms, mcfg: dict, path: str, width: int, attn_tp: int, kv_dtype: str, case: str,
+                 kv_bytes_per_token: int, pool_rows: int = 0):  # fmt: skip
+        if case not in CASES:
+            raise ValueError(f"case {case!r}: must be one of {', '.join(CASES)}")
+        self.terms, self.mcfg, self.path, self.kv, self.case = terms, mcfg, path, kv_dtype, case
+        self.width, self.attn_tp, self.pool_rows = width, attn_tp, pool_rows
+        self.cp = width if path in CP_PATHS else 1
+        self.layers = mcfg["num_hidden_layers"]
+        self.moe_layers = self.layers - mcfg["first_k_dense_replace"]
+        sign = {"low": -1.0, "mid": 0.0, "high": 1.0}[case]
+        self.scale = {p: 1.0 + sign * float(terms.max_rel_err.get((p, kv_dtype), 0.0))
+                      for p in ("attention", "indexer", "gemms", "moe", "fill", "store")}  # fmt: skip
+        self.bus = BUS_GBPS[case] * 1e9
+        self.latency_ms = LATENCY_US[case] / 1e3
         share = width if path == "shared" else 1
         self.load_ms_per_token = kv_bytes_per_token / share / (H2D_GBPS[case] * 1e9) * 1e3
         self.overlap_load = case == "low"
 
-    def step_ms(self, batches: list[list[tuple[int, int]]], loaded_tokens: int) -> float:
-        """`batches`: per worker of the node, (new tokens, history) per request in its batch."""
-        attn = max((_layers_ms(self.fit, b) for b in batches if b), default=0.0) * self.attn_scale
-        new = sum(n for b in batches for n, _ in b)
-        compute = self.fit["outside_ms"] + attn + self.moe_ms_per_token * new
+    def _ms(self, part: str, new: float, history: float) -> float:
+        if new <= 0:
+            return 0.0
+        return self.terms.ms(part, self.kv, new, history) * self.scale[part]
+
+    def _worker_layer_ms(self, batch) -> dict[str, float]:
+        """One layer of one worker's batch on its busiest GPU, MoE excluded."""
+        g, w = self.attn_tp, self.cp
+        slices = [(n / w, h + n / 2 - n / (2 * w)) for n, h in batch if n]
+        q = sum(s for s, _ in slices)
+        out = {
+            "attention": sum(self._ms("attention", s, h) for s, h in slices) / g,
+            "indexer": sum(self._ms("indexer", s, h) for s, h in slices),
+            "gemms": self._ms("gemms", q, 0) / g,
+            "store": self.terms.store_ms(self.kv, sum(n for n, _ in batch)) * self.scale["store"] if batch else 0.0,
+        }  # fmt: skip
+        return out
+
+    def _collective_ms(self, term) -> float:
+        return term.bus_bytes / self.bus * 1e3 + self.latency_ms
+
+    def breakdown(self, batches: list[list[tuple[int, int]]], loaded_tokens: int = 0) -> dict[str, float]:
+        """Every term of one step, ms. `batches`: per worker of the node, (new, history) per request."""
+        work = [(b, self._worker_layer_ms(b)) for b in batches if b]
+        if not work:
+            return {"step_ms": 0.0}
+        batch, layer = max(work, key=lambda bw: sum(bw[1].values()))
+        node_new = sum(n for b in batches for n, _ in b)
+        moe = self._ms("moe", node_new / 8, 0)
+        fwd = TF.Batch(tuple(batch))
+        coll = TF.kv_terms(self.path, self.cp, self.kv, self.layers, fwd, self.pool_rows)
+        node_batch = TF.Batch(tuple((n, h) for b in batches for n, h in b))
+        hidden = TF.hidden_terms(self.path, self.cp, self.mcfg["hidden_size"], self.layers, node_batch)
+        per_layer_compute_comm = sum(self._collective_ms(t) for t in coll + hidden if t.per == "layer" and
+                                     t.stream == "compute")  # fmt: skip
+        side = sum(self._collective_ms(t) for t in coll if t.stream == "side")
+        if self.path == "shared" and side:
+            _, moved = fwd.history_pages(self.cp)
+            side += self.terms.fill_ms(self.kv, moved // self.cp * TF.PAGE) * self.scale["fill"]
+        compute = sum(layer.values())
+        window = compute + moe if self.path == "shared" else moe + layer["gemms"]
+        exposed_side = max(0.0, side - window)
+        tail = sum(self._collective_ms(t) for t in hidden if t.per == "forward")
         load = self.load_ms_per_token * loaded_tokens
-        return max(compute, load) if self.overlap_load else compute + load
+        total = self.moe_layers * moe + self.layers * (compute + per_layer_compute_comm + exposed_side) + tail
+        step = max(total, load) if self.overlap_load else total + load
+        return {**{f"{k}_ms_per_layer": v for k, v in layer.items()}, "moe_ms_per_layer": moe,
+                "compute_collectives_ms_per_layer": per_layer_compute_comm, "side_collectives_ms_per_layer": side,
+                "side_exposed_ms_per_layer": exposed_side, "tail_ms": tail, "load_back_ms": load,
+                "step_ms": step}  # fmt: skip
+
+    def step_ms(self, batches: list[list[tuple[int, int]]], loaded_tokens: int = 0) -> float:
+        return self.breakdown(batches, loaded_tokens)["step_ms"]
 
 
-def simulate_node(workers: list[list[tuple]], chunk: int, cost: StepCost) -> tuple[list[float], float]:
+def simulate_node(workers: list[list[tuple]], chunk: int, cost) -> tuple[list[float], float]:
     """TTFT of every request on one node. `workers`: per radix cache, its requests in arrival
     order as (arrival_s, input_len, hit_tokens, loaded_tokens). All workers step together (DP
     attention ranks run each forward in lockstep; a CP node has one worker): each builds a batch

@@ -87,3 +87,28 @@ def _cache_aware(requests, workers: int, tokens_per_s: float) -> list[int]:
         in_flight[w].append(free_at[w])
         out.append(w)
     return out
+
+
+DP_DISPATCH = ("dp_aware", "bootstrap_room")
+ROOM_SEED = 45  # the router's bootstrap rooms are random 63-bit integers: one fixed draw
+
+
+def route_dp(requests, nodes: int, dp: int, policy: str, dispatch: str, tokens_per_s: float = 60000.0) -> list[int]:
+    """The DP rank (node * dp + rank) of every request on `nodes` DP-attention nodes of `dp` ranks.
+
+    - dp_aware: sglang-router `--dp-aware` addresses every DP rank as a worker, so `policy`
+      routes over nodes x dp radix caches;
+    - bootstrap_room: SGLang's default for a PD prefill (`handle_load_balance_method` resolves
+      `auto` to `follow_bootstrap_room`): the router picks a node by `policy` and the node's
+      DataParallelController sends the request to DP rank `bootstrap_room % dp`; the room is the
+      router's random draw, so the rank is uniform and blind to the cache.
+    """
+    if dispatch == "dp_aware":
+        return route(requests, nodes * dp, policy, tokens_per_s)
+    if dispatch != "bootstrap_room":
+        raise ValueError(f"DP dispatch {dispatch!r}: must be one of {', '.join(DP_DISPATCH)}")
+    import random
+
+    node = route(requests, nodes, policy, tokens_per_s * dp)
+    rooms = random.Random(ROOM_SEED)
+    return [n * dp + rooms.getrandbits(63) % dp for n in node]

@@ -15,10 +15,11 @@ import textwrap
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=150, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=60, suite="nsa-cp-test-cpu")
 
 ROOT = pathlib.Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT / "benchmark"))
+sys.path.insert(0, str(ROOT / "test" / "benchmark"))
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import bench_trace_replay as B  # noqa: E402
@@ -26,6 +27,7 @@ import trace_budget as TB  # noqa: E402
 import trace_cache as TC  # noqa: E402
 import trace_cost as TK  # noqa: E402
 import trace_routing as TR  # noqa: E402
+from fake_layer_terms import FakeTerms  # noqa: E402
 
 CACHES = [TC.PagePrefixCache, TC.FastPageCache]
 
@@ -140,7 +142,8 @@ def test_pool_rows_are_what_sglangs_pool_configurator_computes():
 
 def test_mem_fraction_and_per_rank_chunk_are_what_sglang_resolves():
     # SGLang's own argument resolution for a GLM-5 PD prefill on an H200 (device memory and
-    # capability stood in; nothing else), against the budget's reproduction of its rule.
+    # capability stood in, and the prefill CUDA graph's CUDA default, `breakable`, forced: CPU
+    # torch defaults it off), against the budget's reproduction of its rule, for every layout.
     script = textwrap.dedent(f"""
         import json, sys, tempfile
         from unittest import mock
@@ -150,24 +153,81 @@ def test_mem_fraction_and_per_rank_chunk_are_what_sglang_resolves():
         cfg = json.load(open({str(TB.MODELS["glm5"])!r})); cfg.pop("_source")
         d = tempfile.mkdtemp(); json.dump(cfg, open(d + "/config.json", "w"))
         out = {{}}
-        for name, extra in (("cp8", dict(attn_cp_size=8)), ("dp8", dict(dp_size=8, enable_dp_attention=True))):
+        layouts = (("replicated", dict(attn_cp_size=8)), ("dp_attention", dict(dp_size=8, enable_dp_attention=True)),
+                   ("tp", {{}}), ("layer_split", dict(attn_cp_size=8, enable_prefill_cp=True, cp_strategy="interleave",
+                                                      enable_dsa_cache_layer_split=True)))
+        for name, extra in layouts:
             with mock.patch.object(mh, "get_device_memory_capacity", lambda device=None: {TB.H200_MIB}), \\
                  mock.patch.object(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0)), \\
-                 mock.patch.object(torch.cuda, "is_available", lambda: True):
+                 mock.patch.object(torch.cuda, "is_available", lambda: True), \\
+                 mock.patch("sglang.srt.model_executor.cuda_graph_config.default_prefill_backend", lambda: "breakable"):
                 a = ServerArgs(model_path=d, tp_size=8, disaggregation_mode="prefill", device="cuda",
                                skip_tokenizer_init=True, kv_cache_dtype="fp8_e4m3", **extra)
                 a.resolve_once()
             r = a.resolved_dict()
-            out[name] = [r["mem_fraction_static"], r["chunked_prefill_size"], r["page_size"], r["hicache_ratio"]]
+            out[name] = [r["mem_fraction_static"], r["chunked_prefill_size"], r["page_size"], r["hicache_ratio"],
+                         r["cuda_graph_config"]["prefill"]["backend"] == "breakable", r["load_balance_method"]]
         print(json.dumps(out))
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
-    ours = [TB.mem_fraction_static(8192), 8192, TB.PAGE, TB.HICACHE_RATIO]
-    assert got["cp8"] == ours, got
-    assert got["dp8"] == [ours[0], TB.per_rank_chunk(8192, TB.Layout("dp_attention", 8)), TB.PAGE, 2.0], got
+    for path, resolved in got.items():
+        layout = TB.Layout(path, 8)
+        ours = [
+            TB.mem_fraction_static(8192, prefill_cuda_graph=layout.prefill_cuda_graph),
+            TB.per_rank_chunk(8192, layout),
+            TB.PAGE,
+            TB.HICACHE_RATIO,
+            layout.prefill_cuda_graph,
+        ]
+        assert resolved[:5] == ours, (path, resolved, ours)
+        # a PD prefill's DP ranks follow the bootstrap room (trace_routing.route_dp's default dispatch)
+        assert resolved[5] == "follow_bootstrap_room", resolved
+    assert got["dp_attention"][0] == 0.893 and got["replicated"][0] == 0.904  # the 1.5 GiB graph reserve
+
+
+def test_layer_split_cell_is_sglangs_effective_layers():
+    # SGLang's own sizing functions under its layer-split switch, on a stand-in model runner
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.cp.utils import get_glm_dsa_layer_split_effective_num_layers
+    from sglang.srt.runtime_context import get_parallel
+
+    glm5 = TB.load_model("glm5")
+    runner = SimpleNamespace(is_draft_worker=False, use_mla_backend=True,
+                             model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=glm5["architectures"],
+                                                                                  index_topk=2048)))  # fmt: skip
+    for width in (2, 4, 8):
+        with get_parallel().override(attn_cp_size=width, enable_dsa_cache_layer_split=True):
+            latent = get_glm_dsa_layer_split_effective_num_layers(runner, 78)
+        got = TB.layer_split_layers(78, width)
+        assert got[0] == latent, (width, got, latent)
+    assert TB.layer_split_layers(78, 8) == (11, 11, 9)  # 6 ranks own 10 layers, 2 own 9
+    assert TB.cell_bytes(glm5, TB.Layout("layer_split", 8), "fp8") == 11 * 656 + 11 * 132
+
+
+def test_capacity_of_every_layout_at_cp8_fp8():
+    # Every term of the budget is printed; these are its sums (GLM-5 FP8, fp8 KV, 8 x H200, C=1)
+    glm5 = TB.load_model("glm5")
+    scratch = B.scratch_bytes(8, "fp8", 1, 8192, glm5["max_position_embeddings"])
+    got = {p: TB.node_budget(glm5, TB.Layout(p, 8), "fp8", 61464, scratch) for p in TB.PATHS}
+    rows = {p: b.tokens_per_rank for p, b in got.items()}
+    # one pool's bytes over each layout's cell: the same KV GiB for the CP layouts (attention TP 1)
+    assert got["replicated"].kv_pool_bytes == got["shared"].kv_pool_bytes == got["layer_split"].kv_pool_bytes
+    assert rows["layer_split"] == got["layer_split"].kv_pool_bytes // (11 * 788) // 64 * 64
+    assert (
+        got["shared"].capacity_tokens == 8 * rows["shared"]
+        and got["dp_attention"].capacity_tokens == 8 * rows["dp_attention"]
+    )
+    # DP and TP keep the prefill graph (0.893), CP does not (0.904)
+    assert got["dp_attention"].mem_fraction_static == got["tp"].mem_fraction_static == 0.893
+    # plain TP splits attention 8 ways: more room than replicated CP 8, which replicates it
+    assert got["tp"].capacity_tokens > got["replicated"].capacity_tokens
+    assert got["shared"].capacity_tokens > got["layer_split"].capacity_tokens > got["dp_attention"].capacity_tokens
+    with pytest.raises(ValueError, match="tp: width must be"):
+        TB.Layout("tp", 4)
 
 
 def test_routing_sticky_round_robin_and_cache_aware():
@@ -190,24 +250,47 @@ def test_cache_aware_routing_balances_past_64_requests_in_flight():
     assert ca[:65] == [0] * 65 and ca[65] == 1, ca
 
 
-def test_cost_model_reproduces_the_h200_chunks_within_5_percent():
-    model = TK.fit_cost_model()
-    for name, fit in model["fits"].items():
-        path, kv = name.split("/")
-        assert fit["max_rel_err"] <= 0.05, f"{name}: {fit['max_rel_err']:.3f}"
-        for p in fit["points"]:
-            got = TK.measured_chunk_ms(model, path, kv, [(p["new"], p["hist"])])
-            assert abs(got - p["measured_ms"]) <= 0.05 * p["measured_ms"], f"{name} {p}: model {got:.1f} ms"
-    assert len(model["fits"]["replicated/bf16"]["points"]) == 4 + 8 + 16 + 2  # every timed chunk
+def _cost(path, width, case="mid", terms=None, pool_rows=3_000_000):
+    glm5 = TB.load_model("glm5")
+    layout = TB.Layout(path, width)
+    return TK.StepCost(terms or FakeTerms(err=0.0), glm5, path, width, layout.attn_tp, "fp8", case, 61464, pool_rows)
 
 
-def test_a_long_prompt_on_a_dp_rank_runs_its_attention_on_that_rank_alone():
-    model, glm5 = TK.fit_cost_model(), TB.load_model("glm5")
-    cp8 = TK.StepCost(model, glm5, "replicated", "fp8", 8, 8, "mid", 61464)
-    dp8 = TK.StepCost(model, glm5, "dp_attention", "fp8", 1, 8, "mid", 61464)
-    long_chunk = [[(1024, 100_000)]]  # the 1024 new tokens a DP8 rank takes per step, after 100k of history
-    attn = lambda c: c.step_ms(long_chunk, 0) - c.fit["outside_ms"] - c.moe_ms_per_token * 1024  # noqa: E731
-    assert attn(dp8) == pytest.approx(attn(cp8) * 8 * TK.ATTN_EFFICIENCY["mid"])
+def test_step_cost_follows_the_layer_terms_and_the_streams():
+    glm5, terms = TB.load_model("glm5"), FakeTerms(err=0.0)
+    batch = [(8192, 65536)]
+    # a CP-8 rank: 1/8 of the chunk's queries against the whole history, MoE over 8 GPUs
+    shared = _cost("shared", 8).breakdown([batch])
+    q, h = 1024, 65536 + 4096 - 512
+    assert shared["attention_ms_per_layer"] == pytest.approx(terms.ms("attention", "fp8", q, h))
+    assert shared["indexer_ms_per_layer"] == pytest.approx(terms.ms("indexer", "fp8", q, h))
+    assert shared["moe_ms_per_layer"] == pytest.approx(terms.ms("moe", "fp8", 1024, 0))
+    # the flag's history gather hides under the layer; layer split's 2 GB broadcast does not
+    assert shared["side_collectives_ms_per_layer"] > 0 and shared["side_exposed_ms_per_layer"] == 0
+    split = _cost("layer_split", 8).breakdown([batch])
+    assert split["side_exposed_ms_per_layer"] > 1.0 and split["step_ms"] > 2 * shared["step_ms"]
+    # a DP-8 rank runs its request whole on one GPU: 8 x the queries of a CP-8 rank
+    dp = _cost("dp_attention", 8).breakdown([batch] + [[]] * 7)
+    assert dp["indexer_ms_per_layer"] == pytest.approx(terms.ms("indexer", "fp8", 8192, 65536))
+    assert dp["moe_ms_per_layer"] == shared["moe_ms_per_layer"]  # MoE over the 8 GPUs either way
+    # plain TP: attention heads / 8, the indexer whole on every GPU
+    tp = _cost("tp", 8).breakdown([batch])
+    assert tp["attention_ms_per_layer"] == pytest.approx(terms.ms("attention", "fp8", 8192, 65536) / 8)
+    assert tp["indexer_ms_per_layer"] == dp["indexer_ms_per_layer"]
+    # layers: the MoE on the 75 MoE layers, the rest on all 78
+    per_layer = shared["step_ms"] - shared["tail_ms"]
+    moe_layers = glm5["num_hidden_layers"] - glm5["first_k_dense_replace"]
+    rest = sum(shared[k] for k in ("attention_ms_per_layer", "indexer_ms_per_layer", "gemms_ms_per_layer",
+                                   "store_ms_per_layer", "compute_collectives_ms_per_layer"))  # fmt: skip
+    assert per_layer == pytest.approx(moe_layers * shared["moe_ms_per_layer"] + 78 * rest)
+
+
+def test_cost_ranges_widen_with_the_fits_error_and_the_bus():
+    terms = FakeTerms(err=0.1)
+    ms = {case: _cost("replicated", 8, case, terms).step_ms([[(8192, 32768)]]) for case in TK.CASES}
+    assert ms["low"] < ms["mid"] < ms["high"]
+    with pytest.raises(ValueError, match="case"):
+        _cost("shared", 8, "worst")
 
 
 def test_node_steps_its_dp_ranks_together():
@@ -239,26 +322,67 @@ def test_cli_writes_rows_json_and_plot(tmp_path):
     trace = tmp_path / "trace.jsonl"
     _tiny_trace(trace)
     run_ = _bench("--trace", str(trace), "--out", str(tmp_path), "--widths", "8", "--nodes", "1,2",
-                  "--routing", "sticky", "--jobs", "1", "--no-progress")  # fmt: skip
+                  "--routing", "sticky", "--paths", "replicated,shared,dp_attention", "--dp-dispatch", "dp_aware",
+                  "--jobs", "1", "--no-progress")  # fmt: skip
     assert run_.returncode == 0, run_.stderr[-3000:]
     assert run_.stdout.startswith("machine: ") and "TTFT p50 s" in run_.stdout, run_.stdout
+    assert "TTFT not projected" in run_.stdout  # no layer terms in this tree yet
     raw = json.loads((tmp_path / "bench_trace_replay.json").read_text())
     arms = [(r["path"], r["hicache"], r["nodes"], r["routing"]) for r in raw["rows"]]
     assert arms == [(p, h, k, rt) for p, k1 in (("replicated", "-"), ("shared", "-"), ("dp_attention", "sticky"))
                     for k, rt in ((1, k1), (2, "sticky")) for h in (False, True)]  # fmt: skip
     for r in raw["rows"]:
         assert r["input_tokens"] == sum(700 + 300 * (i % 3) for i in range(12)) and r["rejected"] == 0, r
-        assert 0 < r["prefix_hit_fraction"] < 1 and r["ttft_p50_s_low"] <= r["ttft_p50_s"] <= r["ttft_p50_s_high"]
-        for key in ("cp", "kv_dtype", "path", "scratch_contexts", "capacity_tokens", "ttft_p90_s", "ttft_p99_s"):
+        assert 0 < r["prefix_hit_fraction"] < 1 and r["ttft_p50_s"] is None
+        for key in ("cp", "kv_dtype", "path", "scratch_contexts", "capacity_tokens", "kv_bytes_per_forward"):
             assert key in r, key
+    assert raw["provenance"]["command"].startswith("python benchmark/bench_trace_replay.py --trace")
     assert (tmp_path / "bench_trace_replay.png").stat().st_size > 0
+
+
+def test_every_arm_with_layer_terms_gives_ttft_ranges(tmp_path, monkeypatch):
+    # in process, the stand-in terms where layer_terms would load the H200's
+    import types
+
+    fake = types.ModuleType("layer_terms")
+    fake.load = lambda path=None: FakeTerms()
+    monkeypatch.setitem(sys.modules, "layer_terms", fake)
+    trace = tmp_path / "trace.jsonl"
+    _tiny_trace(trace)
+    code = B.main(["--trace", str(trace), "--out", str(tmp_path), "--widths", "8", "--nodes", "1",
+                   "--routing", "cache_aware", "--hicache", "off", "--jobs", "1", "--no-progress"])  # fmt: skip
+    assert code == 0
+    raw = json.loads((tmp_path / "bench_trace_replay.json").read_text())
+    got = {(r["path"], r["dp_dispatch"]) for r in raw["rows"]}
+    assert got == {("replicated", "-"), ("shared", "-"), ("layer_split", "-"), ("tp", "-"),
+                   ("dp_attention", "dp_aware"), ("dp_attention", "bootstrap_room")}  # fmt: skip
+    for r in raw["rows"]:
+        assert 0 < r["ttft_p50_s_low"] <= r["ttft_p50_s"] <= r["ttft_p50_s_high"], r
+    by = {(r["path"], r["dp_dispatch"]): r for r in raw["rows"]}
+    assert by[("layer_split", "-")]["kv_bytes_per_forward"] > 20 * by[("shared", "-")]["kv_bytes_per_forward"]
+    assert by[("layer_split", "-")]["ttft_p50_s"] > by[("shared", "-")]["ttft_p50_s"]
+
+
+def test_dp_dispatch_follows_the_router_or_the_bootstrap_room():
+    reqs = [req(i, 2048, [0, 100 + i % 3, 7, 8]) for i in range(60)]  # 3 conversations
+    aware = TR.route_dp(reqs, 2, 4, "cache_aware", "dp_aware", tokens_per_s=1e9)
+    assert aware == TR.route(reqs, 8, "cache_aware", tokens_per_s=1e9)
+    assert all(aware[i] == aware[i % 3] for i in range(60))  # a conversation stays on its DP rank
+    room = TR.route_dp(reqs, 2, 4, "cache_aware", "bootstrap_room", tokens_per_s=1e9)
+    nodes = TR.route(reqs, 2, "cache_aware", tokens_per_s=4e9)
+    assert [w // 4 for w in room] == nodes  # the router picks the node ...
+    assert len({w for i, w in enumerate(room) if i % 3 == 0}) > 1  # ... the room scatters a conversation's turns
+    with pytest.raises(ValueError, match="dispatch"):
+        TR.route_dp(reqs, 1, 4, "sticky", "hash")
 
 
 @pytest.mark.parametrize(
     "args, words",
     [
         (["--widths", "3"], "--widths"),
-        (["--paths", "tp"], "--paths"),
+        (["--paths", "pp"], "--paths"),
+        (["--dp-dispatch", "random"], "--dp-dispatch"),
+        (["--layer-terms", "/nonexistent.json"], "--layer-terms"),
         (["--routing", "random"], "--routing"),
         (["--hicache", "yes"], "--hicache"),
         (["--kv-dtypes", "fp16"], "--kv-dtypes"),
