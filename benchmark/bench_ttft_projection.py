@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         for prompt in args.prompts:
             for cached_name, cached in (
                 ("none", 0),
-                ("all but the last chunk", max(prompt - chunk, 0) // TB.PAGE * TB.PAGE),
+                (f"all but the last {chunk:,}", max(prompt - chunk, 0) // TB.PAGE * TB.PAGE),
             ):
                 row = {"path": layout.path, "width": layout.width, "attn_tp": layout.attn_tp, "prompt": prompt,
                        "cached": cached, "cached_kind": cached_name, "pool_tokens": budget.pool_tokens}  # fmt: skip
