@@ -89,24 +89,80 @@ def glm5_layer(raw: dict) -> str:
     return "\n".join([head, *rows, "", *fits, "", note])
 
 
-# name -> (results file, renderer of its table)
-BLOCKS: dict[str, tuple[str, Callable[[dict], str]]] = {
-    "kernels": ("bench_kernels.json", kernels),
-    "glm5_layer": ("bench_glm5_layer_1xh200.json", glm5_layer),
-}
-# name -> the command that writes its results file, for blocks that render "not run yet" without it
-NOT_RUN_YET = {
-    "glm5_layer": "bash scripts/gpu_run.sh layer (on 1 x H200), then copy $OUT/bench_glm5_layer_1xh200.json "
-    "to benchmark/results/",
+def trace_replay_arms(raw: dict) -> str:
+    """Every arm at CP/DP 8, fp8, HiCache off, cache-aware routing: capacity, hits on 1/2/4 nodes,
+    KV bytes of the reference forward."""
+    ref = raw["reference_forward"]
+    rows = [r for r in raw["rows"] if r["width"] == 8 and r["kv_dtype"] == "fp8" and not r["hicache"]
+            and r["routing"] in ("-", "cache_aware") and r.get("scratch_contexts") in (None, 1)]  # fmt: skip
+    arms = list(dict.fromkeys((r["path"], r["dp_dispatch"]) for r in rows))
+    nodes = sorted({r["nodes"] for r in rows})
+    head = ("| arm | capacity per node (tokens) | " + " | ".join(f"hits, {k} node{'s' * (k > 1)}" for k in nodes)
+            + f" | KV moved per forward ({ref['new']:,} new after {ref['history']:,}), busiest rank |\n"
+            + "| --- | ---: | " + " | ".join("---:" for _ in nodes) + " | ---: |")  # fmt: skip
+    lines = [head]
+    for path, dispatch in arms:
+        mine = {r["nodes"]: r for r in rows if (r["path"], r["dp_dispatch"]) == (path, dispatch)}
+        one = next(iter(mine.values()))
+        per_node = f"{one['capacity_tokens_per_node']:,}" if one["radix_caches"] == one["nodes"] else \
+            f"{one['radix_caches'] // one['nodes']} x {one['pool_tokens']:,}"  # fmt: skip
+        hits = " | ".join(f"{100 * mine[k]['prefix_hit_fraction']:.1f} %" if k in mine else "-" for k in nodes)
+        name = path + (f" ({dispatch})" if dispatch != "-" else "")
+        lines.append(f"| {name} | {per_node} | {hits} | {one['kv_bytes_per_forward'] / 1e9:,.2f} GB |")
+    return "\n".join(lines)
+
+
+def ttft_projection(raw: dict) -> str:
+    rows = [r for r in raw["rows"] if r["width"] == 8 or r["path"] == "tp"]
+    prompts = sorted({r["prompt"] for r in rows})
+    kinds = list(dict.fromkeys(r["cached_kind"] for r in rows))
+    head = ("| arm, cached | " + " | ".join(f"{p // 1024}k" for p in prompts) + " |\n| --- | "
+            + " | ".join("---:" for _ in prompts) + " |")  # fmt: skip
+    lines = [head]
+    for path in dict.fromkeys(r["path"] for r in rows):
+        for kind in kinds:
+            cells = []
+            for p in prompts:
+                r = next((r for r in rows if (r["path"], r["prompt"], r["cached_kind"]) == (path, p, kind)), None)
+                cells.append("-" if r is None else "refused" if r["refused"] else
+                             f"{r['ttft_s']:.2f} ({r['ttft_s_low']:.2f}-{r['ttft_s_high']:.2f})")  # fmt: skip
+            lines.append(f"| {path}, {kind} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\nTTFT in seconds, one request alone on the node, mid (low-high): a PROJECTION."
+
+
+# name -> (results file, renderer of its table, the command that writes the file: "not run yet" until it
+# exists with the fields the renderer reads)
+BLOCKS: dict[str, tuple[str, Callable[[dict], str], str | None]] = {
+    "kernels": ("bench_kernels.json", kernels, None),
+    "glm5_layer": (
+        "bench_glm5_layer_1xh200.json",
+        glm5_layer,
+        "bash scripts/gpu_run.sh layer (on 1 x H200), then copy $OUT/bench_glm5_layer_1xh200.json to benchmark/results/",
+    ),
+    "trace_replay_arms": ("bench_trace_replay.json", trace_replay_arms, "python benchmark/bench_trace_replay.py"),
+    "ttft_projection": (
+        "bench_ttft_projection.json",
+        ttft_projection,
+        "bash scripts/gpu_run.sh layer, then python benchmark/bench_ttft_projection.py",
+    ),
 }
 
 
 def render(name: str) -> str:
     if name not in BLOCKS:
         raise KeyError(f"no renderer {name!r} in scripts/gen_result_tables.py (known: {', '.join(BLOCKS)})")
-    results_file, renderer = BLOCKS[name]
-    if name in NOT_RUN_YET and not os.path.exists(os.path.join(RESULTS, results_file)):
-        return f"not run yet: `{NOT_RUN_YET[name]}`\n"
+    results_file, renderer, command = BLOCKS[name]
+    if command is not None:
+        try:
+            raw = load(results_file)
+            table = renderer(raw)
+        except OSError:
+            return f"Not run yet: `{command}` (no {results_file} in benchmark/results).\n"
+        except KeyError as exc:  # written by an older version of its benchmark
+            return f"Not run yet: `{command}` (`benchmark/results/{results_file}` predates its field {exc}).\n"
+        if "provenance" not in raw:
+            return f"Not run yet: `{command}` (`benchmark/results/{results_file}` has no provenance).\n"
+        return f"{table}\n\n{source_line(results_file, raw)}\n"
     raw = load(results_file)
     return f"{renderer(raw)}\n\n{source_line(results_file, raw)}\n"
 

@@ -158,7 +158,7 @@ def _gen_result_tables():
 def test_the_docs_block_says_not_run_yet_without_the_file_and_renders_it_with(tmp_path, toy):
     generator = _gen_result_tables()
     generator.RESULTS = str(tmp_path)
-    assert generator.render("glm5_layer").startswith("not run yet: `bash scripts/gpu_run.sh layer")
+    assert generator.render("glm5_layer").startswith("Not run yet: `bash scripts/gpu_run.sh layer")
     (tmp_path / "bench_glm5_layer_1xh200.json").write_text(toy[0].read_text())
     text = generator.render("glm5_layer")
     assert "| attention | bf16 |" in text and "| indexer | both |" in text and "max rel err" in text, text
