@@ -587,9 +587,9 @@ def three_paths(cluster: Cluster, input_ids: list[int], max_new_tokens: int, tim
         "oracle": lambda: generate(cluster.servers["single"].url, input_ids, max_new_tokens, timeout_s, **extra),
     }
     with futures.ThreadPoolExecutor(len(calls)) as pool:
-        answers = {path: pool.submit(call) for path, call in calls.items()}
+        pending = {path: pool.submit(call) for path, call in calls.items()}
         out = {}
-        for path, answer in answers.items():
+        for path, answer in pending.items():
             try:
                 result = answer.result()
                 if isinstance(result, Exception):  # generate_pd hands back the decode's failure
