@@ -18,6 +18,7 @@ A /generate request with `return_logprob: true, top_logprobs_num: K` answers, pe
 from __future__ import annotations
 
 import math
+import struct
 
 
 def logprob_request(top_k: int) -> dict:
@@ -25,14 +26,22 @@ def logprob_request(top_k: int) -> dict:
     return {"return_logprob": True, "top_logprobs_num": top_k}
 
 
+def f32(x: float) -> float:
+    """`x` rounded to float32: SGLang's logprobs are float32, and sglang-router re-parses the JSON
+    numbers it forwards with up to one double ulp of error (seen on the CPU servers: -3.695501804351806
+    through the router, -3.6955018043518066 from the decode), which this rounding removes."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 def positions(answer: dict) -> list[dict]:
-    """Per new token: {"token", "logprob", "top": {token_id: logprob}} from a /generate answer."""
+    """Per new token: {"token", "logprob", "top": {token_id: logprob}} from a /generate answer,
+    logprobs as float32 values (`f32`)."""
     meta = answer["meta_info"]
     chosen, tops = meta["output_token_logprobs"], meta["output_top_logprobs"]
     if len(chosen) != len(answer["output_ids"]) or len(tops) != len(chosen):
         raise ValueError(f"{len(answer['output_ids'])} output ids but {len(chosen)} token logprobs and "
                          f"{len(tops)} top-logprob lists: was the request sent with logprob_request()?")  # fmt: skip
-    return [{"token": int(t), "logprob": float(lp), "top": {int(i): float(v) for v, i, *_ in top}}
+    return [{"token": int(t), "logprob": f32(lp), "top": {int(i): f32(v) for v, i, *_ in top}}
             for (lp, t, *_), top in zip(chosen, tops)]  # fmt: skip
 
 
