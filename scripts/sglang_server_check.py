@@ -14,6 +14,10 @@ shared-KV prefill and the decode) it sends greedy requests through the three pat
   with the oracle's tokens;
 - every GPU stand-in each server used (its log), and each server's start-up time.
 
+`--model glm5-shaped` (helpers/glm5_shaped.py: GLM-5's attention, indexer and vocabulary, 1 dense + 2
+MoE layers) also compares SGLang's returned logprobs (helpers/logprob_compare.py) and writes the
+memory estimate it checked before starting; `--model toy` (the default) is the 2-layer toy model.
+
     python scripts/sglang_server_check.py --device cuda --configs bfloat16:2 fp8_e4m3:4 --out DIR
 Writes DIR/sglang_server_check_{device}.json and DIR/sglang_server_logs_{device}.tar.xz; exits 1
 unless every path gave the oracle's tokens and the long prompt went as expected.
