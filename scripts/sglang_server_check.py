@@ -14,6 +14,10 @@ shared-KV prefill and the decode) it sends greedy requests through the three pat
   with the oracle's tokens;
 - every GPU stand-in each server used (its log), and each server's start-up time.
 
+`--model glm5-shaped` (helpers/glm5_shaped.py: GLM-5's attention, indexer and vocabulary, 1 dense + 2
+MoE layers) also compares SGLang's returned logprobs (helpers/logprob_compare.py) and writes the
+memory estimate it checked before starting; `--model toy` (the default) is the 2-layer toy model.
+
     python scripts/sglang_server_check.py --device cuda --configs bfloat16:2 fp8_e4m3:4 --out DIR
 Writes DIR/sglang_server_check_{device}.json and DIR/sglang_server_logs_{device}.tar.xz; exits 1
 unless every path gave the oracle's tokens and the long prompt went as expected.
@@ -38,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test"))
 
 NEW_TOKENS = 6
 GPU_CONFIGS = ["bfloat16:2", "bfloat16:4", "fp8_e4m3:2", "fp8_e4m3:4"]
+GLM5_CONFIGS = ["bfloat16:4", "fp8_e4m3:4"]  # --model glm5-shaped: a 128k-token prompt at CP 4
 # The configurations share one GPU. Four clusters at once (32 processes) ran an H200 out of memory
 # (oracles on their long prompts, then a prefill mid-request): --at-once 2 by default.
 # A long prompt's oracle needs GBs for a moment (SGLang's unfused top-k over 8,192 x 100k logits), so
@@ -49,18 +54,30 @@ def _cached_tokens_since(server, mark: int) -> list[int]:
     return [int(n) for n in re.findall(r"#cached-token: (\d+)", server.log_text(mark))]
 
 
-def run_requests(cluster, S, page: int, chunk: int, context: int) -> list[dict]:
-    """Each case's tokens on the three paths; an exception becomes the case's `error`."""
+# The oracle's logprobs may differ from CP's by rounding (another reduction order): this much, in nats.
+ORACLE_LOGPROB_ATOL = 0.2
+TOKENS_ONLY = "multi-page, no logprobs"  # the narrow tail gather (a logprob request gathers every row)
+
+
+def run_requests(cluster, S, page: int, chunk: int, context: int, top_logprobs: int = 0, say=print,
+                 vocab: int | None = None) -> list[dict]:  # fmt: skip
+    """Each case's tokens on the three paths (with `top_logprobs`, their logprobs compared too);
+    an exception becomes the case's `error`. Prompts draw ids from `vocab` (default: the toy's)."""
     shared = cluster.servers["shared"]
-    prefix = S.prompt_ids(2 * page + 5, seed=11)
+
+    def ids_(n: int, seed: int) -> list[int]:
+        return S.prompt_ids(n, seed, vocab)
+
+    prefix = ids_(2 * page + 5, seed=11)
     cases = [
-        ("one page", S.prompt_ids(page - 10, seed=1)),
-        ("multi-page", S.prompt_ids(5 * page + 7, seed=2)),
-        (f"chunked ({chunk}-token chunks)", S.prompt_ids(2 * chunk + 40, seed=3)),
-        ("radix: first", prefix + S.prompt_ids(20, seed=12)),
-        ("radix: hit", prefix + S.prompt_ids(30, seed=13)),
-        ("abort", S.prompt_ids(min(8 * chunk, context - page), seed=21)),  # several chunks, within the context
-        ("after the abort", S.prompt_ids(page + 17, seed=22)),
+        ("one page", ids_(page - 10, seed=1)),
+        ("multi-page", ids_(5 * page + 7, seed=2)),
+        *([(TOKENS_ONLY, ids_(5 * page + 7, seed=2))] if top_logprobs else []),
+        (f"chunked ({chunk}-token chunks)", ids_(2 * chunk + 40, seed=3)),
+        ("radix: first", prefix + ids_(20, seed=12)),
+        ("radix: hit", prefix + ids_(30, seed=13)),
+        ("abort", ids_(min(8 * chunk, context - page), seed=21)),  # several chunks, within the context
+        ("after the abort", ids_(page + 17, seed=22)),
     ]
     rows = []
     for name, ids in cases:
@@ -70,6 +87,12 @@ def run_requests(cluster, S, page: int, chunk: int, context: int) -> list[dict]:
         try:
             if name == "abort":
                 row.update(_abort(cluster, S, ids, context))
+            elif name == TOKENS_ONLY:  # deterministic servers: the same tokens as with logprobs
+                row.update(S.three_paths(cluster, ids, NEW_TOKENS, timeout_s=300))
+                with_logprobs = next(r for r in rows if r["case"] == "multi-page")
+                row["equal"] = all(row[p] == with_logprobs.get(p) for p in ("shared", "replicated", "oracle"))
+            elif top_logprobs:
+                row.update(_with_logprobs(cluster, S, ids, top_logprobs))
             else:
                 row.update(S.three_paths(cluster, ids, NEW_TOKENS, timeout_s=300))
                 row["equal"] = row["shared"] == row["replicated"] == row["oracle"] and len(row["oracle"]) > 0
@@ -79,8 +102,30 @@ def run_requests(cluster, S, page: int, chunk: int, context: int) -> list[dict]:
         except Exception:  # noqa: BLE001 -- a case's failure is recorded and the run goes on
             row.update(equal=False, error=traceback.format_exc(limit=3))
         row["seconds"] = round(time.monotonic() - t0, 1)
+        say(f"{name}: {len(ids)} tokens, {'ok' if row.get('equal') else 'DIFFERS'} in {row['seconds']} s")
         rows.append(row)
     return rows
+
+
+def _with_logprobs(cluster, S, ids, top_logprobs: int) -> dict:
+    """The three paths with SGLang's logprobs: shared = replicated bit for bit (the same
+    arithmetic), each within ORACLE_LOGPROB_ATOL of the oracle (helpers.logprob_compare)."""
+    from helpers import logprob_compare as LP
+
+    answers = {}
+    out = S.three_paths(cluster, ids, NEW_TOKENS, timeout_s=300, extra=LP.logprob_request(top_logprobs),
+                        answers=answers)  # fmt: skip
+    pos = {path: LP.positions(a) for path, a in answers.items()}
+    out["logprobs"] = {
+        "shared_vs_replicated": LP.exact(pos["shared"], pos["replicated"]),
+        "shared_vs_oracle": LP.against_oracle(pos["shared"], pos["oracle"], ORACLE_LOGPROB_ATOL),
+        "replicated_vs_oracle": LP.against_oracle(pos["replicated"], pos["oracle"], ORACLE_LOGPROB_ATOL),
+        "positions": pos,
+    }
+    lp = out["logprobs"]
+    out["equal"] = (lp["shared_vs_replicated"]["equal"] and lp["shared_vs_oracle"]["ok"]
+                    and lp["replicated_vs_oracle"]["ok"] and len(out["oracle"]) > 0)  # fmt: skip
+    return out
 
 
 ABORT_NEW_TOKENS = 4000  # a long decode: the client leaves while its request is still being served
@@ -106,20 +151,29 @@ def _abort(cluster, S, ids, context: int) -> dict:
     return {"equal": any(seen.values()), "saw_client_leave": seen}
 
 
-def long_prompt(cluster, S, length: int) -> dict:
-    """A prompt past one rank's pool: replicated refuses it (SGLang's message), shared serves it."""
+def long_prompt(cluster, S, length: int, top_logprobs: int = 0, vocab: int | None = None) -> dict:
+    """A prompt past one rank's pool: replicated refuses it (SGLang's message), shared serves it
+    with the oracle's tokens (with `top_logprobs`: within ORACLE_LOGPROB_ATOL of its logprobs)."""
     from helpers import demo
+    from helpers import logprob_compare as LP
 
-    ids = S.prompt_ids(length, seed=31)
+    ids = S.prompt_ids(length, seed=31, vocab_size=vocab)
     out = {"tokens": length}
+    extra = LP.logprob_request(top_logprobs) if top_logprobs else {}
     t0 = time.monotonic()
-    out["oracle"] = S.generate(cluster.servers["single"].url, ids, NEW_TOKENS, timeout_s=600)["output_ids"]
-    out["shared"] = S.generate(cluster.router_url, ids, NEW_TOKENS, timeout_s=600)["output_ids"]
-    out["shared_seconds"] = round(time.monotonic() - t0, 1)
+    oracle = S.generate(cluster.servers["single"].url, ids, NEW_TOKENS, timeout_s=600, **extra)
+    out["oracle_seconds"] = round(time.monotonic() - t0, 1)
+    shared = S.generate(cluster.router_url, ids, NEW_TOKENS, timeout_s=600, **extra)
+    out["shared_seconds"] = round(time.monotonic() - t0 - out["oracle_seconds"], 1)
+    out["oracle"], out["shared"] = oracle["output_ids"], shared["output_ids"]
     message = demo.refusal(cluster.servers["replicated"], ids, timeout_s=120)  # HTTP 400's message, or None
     out["replicated"] = f"HTTP 400: {message}" if message is not None else "taken in"
     out["replicated_refused"] = message is not None
-    out["ok"] = out["replicated_refused"] and out["shared"] == out["oracle"]
+    if top_logprobs:
+        out["shared_vs_oracle"] = LP.against_oracle(LP.positions(shared), LP.positions(oracle), ORACLE_LOGPROB_ATOL)
+        out["ok"] = out["replicated_refused"] and out["shared_vs_oracle"]["ok"]
+    else:
+        out["ok"] = out["replicated_refused"] and out["shared"] == out["oracle"]
     return out
 
 
@@ -127,29 +181,43 @@ def run_config(result: dict, args) -> None:
     """Fills `result` (kv_cache_dtype, cp) as it goes, so a run cut short still reports what it did."""
     from helpers import demo
 
+    from helpers import sglang_gpu_servers as GS
+    from helpers import sglang_servers as S
+
     kv, cp = result["kv_cache_dtype"], result["cp"]
+    spec = GS.MODELS[args.model]
+    top_logprobs = spec.top_logprobs
+
+    def say(line: str) -> None:
+        print(f"[{time.monotonic() - args.t0:5.0f} s] {kv} CP={cp}: {line}", flush=True)
 
     if args.device == "cuda":
-        from helpers import sglang_gpu_servers as GS
-        from helpers import sglang_servers as S
-
-        cluster = GS.GpuCluster(Path(tempfile.mkdtemp(prefix=f"srv_{kv}_cp{cp}_")), cp=cp, kv_cache_dtype=kv)
-        page, chunk, per_rank, context = S.PAGE, GS.CHUNK_TOKENS, GS.PREFILL_TOKENS_PER_RANK, GS.CONTEXT_TOKENS
+        cluster = GS.GpuCluster(Path(tempfile.mkdtemp(prefix=f"srv_{kv}_cp{cp}_")), cp=cp, kv_cache_dtype=kv,
+                                spec=spec, checkpoint=args.checkpoint)  # fmt: skip
+        page, chunk, per_rank, context = S.PAGE, spec.chunk, spec.per_rank, spec.context
+        vocab = None if args.model == "toy" else spec.config["vocab_size"]  # the toy's prompts: run 7's
     else:
-        from helpers import sglang_servers as S
+        from helpers import glm5_shaped
 
-        cluster = S.Cluster(Path(tempfile.mkdtemp(prefix="srv_cpu_")))
+        workdir = Path(tempfile.mkdtemp(prefix="srv_cpu_"))
+        cluster = S.Cluster(workdir) if args.model == "toy" else glm5_shaped.TinyCluster(workdir)
         page, chunk, per_rank = S.PAGE, S.CHUNK_TOKENS, S.MAX_TOTAL_TOKENS
-        context = S.MODEL["max_position_embeddings"]
+        cfg = S.MODEL if args.model == "toy" else glm5_shaped.tiny()
+        context, vocab = cfg["max_position_embeddings"], cfg["vocab_size"]
     result["workdir"] = str(cluster.workdir)
     try:
+        say("starting the servers")
         with contextlib.ExitStack() as turn, cluster.running(timeout_s=args.startup_timeout_s):
             result["startup_s"] = round(cluster.startup_s, 1)
-            result["requests"] = run_requests(cluster, S, page, chunk, context)
+            say(f"servers up in {result['startup_s']} s")
+            result["requests"] = run_requests(cluster, S, page, chunk, context, top_logprobs, say, vocab)
             result["capacity"] = {name: demo.capacity(cluster.servers[name]) for name in ("shared", "replicated")}
             if args.long_prompt and args.device == "cuda":
                 turn.enter_context(LONG_PROMPT_TURN)  # released after the servers stop
-                result["long_prompt"] = long_prompt(cluster, S, min(args.long_prompt, cp * per_rank - 4 * chunk))
+                length = min(args.long_prompt, cp * per_rank - 4 * chunk)
+                say(f"long prompt: {length} tokens")
+                result["long_prompt"] = long_prompt(cluster, S, length, top_logprobs, vocab)
+                say(f"long prompt: {'ok' if result['long_prompt']['ok'] else 'FAILED'}")
             result["stand_ins"] = {name: _stand_ins(p) for name, p in cluster.servers.items()}
     except Exception as e:  # noqa: BLE001 -- what failed goes to the table (which server, its log's end), all to JSON
         result["error"] = traceback.format_exc(limit=4)
@@ -175,8 +243,8 @@ def print_table(results: list[dict]) -> None:
             continue
         print(f"{head}: servers up in {r['startup_s']} s")
         for q in r["requests"]:
-            detail = q.get("error", "").strip().splitlines()[-1:] or [q.get("note", "")]
-            print(f"  {q['case']:<28} {q['tokens']:>7} tok  {'= oracle' if q.get('equal') else 'DIFFERS'}  "
+            detail = q.get("error", "").strip().splitlines()[-1:] or [q.get("note", "") or _logprob_line(q)]
+            print(f"  {q['case']:<28} {q['tokens']:>7} tok  {'ok' if q.get('equal') else 'DIFFERS'}  "
                   f"{q['seconds']:>6.1f} s  {detail[0]}")  # fmt: skip
         cap = r["capacity"]
         ratio = cap["shared"]["logical_tokens"] / cap["replicated"]["logical_tokens"]
@@ -187,40 +255,115 @@ def print_table(results: list[dict]) -> None:
         if "long_prompt" in r:
             lp = r["long_prompt"]
             print(f"  long prompt {lp['tokens']} tokens: replicated {lp['replicated'][:160]!r}; shared "
-                  f"{'= oracle' if lp['shared'] == lp['oracle'] else 'DIFFERS'} ({lp['shared_seconds']} s)")  # fmt: skip
+                  f"{'= oracle' if lp['shared'] == lp['oracle'] else 'DIFFERS'} ({lp['shared_seconds']} s)"
+                  + (f"; vs oracle: {_oracle_line(lp['shared_vs_oracle'])}" if "shared_vs_oracle" in lp else ""))  # fmt: skip
         used = sorted({u for names in r["stand_ins"].values() for u in names})
         print(f"  GPU stand-ins used: {len(used)}" + "".join(f"\n    {u}" for u in used))
 
 
-def run_provenance(results: list[dict]) -> dict:
+def _oracle_line(c: dict) -> str:
+    tie = (
+        ""
+        if c["first_divergence"] is None
+        else (f", tokens part at {c['first_divergence']} (oracle margin {c['oracle_margin_at_divergence']:.3g})")
+    )
+    return f"max |logprob diff| {c['max_abs_logprob_diff']:.3g}{tie}"
+
+
+def _logprob_line(q: dict) -> str:
+    lp = q.get("logprobs")
+    if not lp:
+        return ""
+    same = (
+        "shared = replicated bit for bit"
+        if lp["shared_vs_replicated"]["equal"]
+        else (f"shared != replicated from token {lp['shared_vs_replicated']['first_difference']}")
+    )
+    return f"{same}; vs oracle: {_oracle_line(lp['shared_vs_oracle'])}"
+
+
+def model_shape(name: str, device: str) -> dict:
+    """What the results file says about the checkpoint that ran (its config, not a model card)."""
+    from helpers import glm5_shaped
+    from helpers.sglang_gpu_servers import MODELS
+
+    cfg = MODELS[name].config if device == "cuda" or name == "toy" else glm5_shaped.tiny()
+    keys = ("num_hidden_layers", "first_k_dense_replace", "n_routed_experts", "num_experts_per_tok",
+            "num_nextn_predict_layers", "hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+            "qk_rope_head_dim", "index_n_heads", "index_head_dim", "index_topk", "vocab_size",
+            "max_position_embeddings")  # fmt: skip
+    shape = {k: cfg[k] for k in keys if k in cfg}
+    if name == "toy":
+        line = f"{shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, random weights"
+        return {"toy model": line, **shape}
+    dense = min(cfg["first_k_dense_replace"], cfg["num_hidden_layers"])
+    line = (f"{cfg['architectures'][0]}, {cfg['num_hidden_layers']} layers ({dense} dense, "
+            f"{cfg['num_hidden_layers'] - dense} MoE of {cfg['n_routed_experts']} experts, top-{cfg['num_experts_per_tok']}"
+            f") + the NextN layer in the checkpoint (not loaded), random seeded bf16 weights")  # fmt: skip
+    label = "glm5-shaped model" if device == "cuda" else "glm5-shaped structure at CPU sizes (glm5_shaped.tiny)"
+    return {label: line, **shape}
+
+
+def run_provenance(results: list[dict], model: str = "toy", device: str = "cuda") -> dict:
     """benchmark/provenance.py's block: commit, machine, command, the checkpoint's shape, stand-ins."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
     from provenance import provenance
 
-    from helpers.sglang_gpu_servers import MODEL
-
-    shape = {k: MODEL[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "kv_lora_rank",
-                                   "qk_rope_head_dim", "index_topk", "vocab_size") if k in MODEL}  # fmt: skip
-    model = {"toy model": f"{shape.get('num_hidden_layers')} layers, hidden {shape.get('hidden_size')}, random weights",
-             **shape}  # fmt: skip
     used = sorted({u for r in results for names in r.get("stand_ins", {}).values() for u in names})
-    return provenance(model, used)
+    return provenance(model_shape(model, device), used)
+
+
+def memory_plan(args, configs) -> dict:
+    """glm5-shaped on the GPU: each configuration's estimate (helpers.glm5_shaped.memory_estimate)
+    and whether --at-once of them plus one long prompt fit the GPU."""
+    import torch
+
+    from helpers import glm5_shaped
+    from helpers.sglang_gpu_servers import MODELS
+
+    spec = MODELS[args.model]
+    pools = spec.pools(args.long_prompt)
+    est = {f"{kv}:{cp}": glm5_shaped.memory_estimate(spec.config, kv, cp, pools) for kv, cp in configs}
+    gpu_gib = torch.cuda.get_device_properties(0).total_memory / glm5_shaped.GIB if torch.cuda.is_available() else 139.0
+    ok, need = glm5_shaped.fits(list(est.values()), args.at_once, gpu_gib)
+    return {"per_config": est, "at_once": args.at_once, "need_gib": need, "gpu_gib": round(gpu_gib, 1), "fits": ok}
+
+
+def _write_checkpoint_once(model: str, t0: float) -> str:
+    """The checkpoint every cluster loads, written once (its tensors made on the GPU)."""
+    import torch
+
+    from helpers import sglang_gpu_servers as GS
+
+    path = tempfile.mkdtemp(prefix=f"{model}_")
+    GS.write_model(path, GS.MODELS[model], device="cuda")
+    torch.cuda.empty_cache()
+    size = sum(f.stat().st_size for f in Path(path).iterdir()) / (1 << 30)
+    print(f"[{time.monotonic() - t0:5.0f} s] {model} checkpoint: {size:.2f} GiB in {path}", flush=True)
+    return path
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--model", choices=("toy", "glm5-shaped"), default="toy",
+                   help="toy: the 2-layer hidden-64 model; glm5-shaped: GLM-5's attention, indexer and vocabulary, "
+                   "1 dense + 2 MoE layers (helpers/glm5_shaped.py; on cpu the same structure at CPU sizes)")  # fmt: skip
     p.add_argument("--configs", nargs="+", help="KV_DTYPE:CP, e.g. fp8_e4m3:4 (default: bf16 and fp8 at CP 2 and 4 "
                    "on cuda, bfloat16:2 on cpu)")  # fmt: skip
-    p.add_argument("--long-prompt", type=int, help="tokens of the long prompt (cuda only; default 100000; 0: none)")
+    p.add_argument("--long-prompt", type=int, help="tokens of the long prompt (cuda only; default 100000, "
+                   "glm5-shaped 131072; 0: none)")  # fmt: skip
     p.add_argument("--startup-timeout-s", type=float, default=400)
     p.add_argument("--at-once", type=int, default=2, help="configurations running side by side (default 2)")
     p.add_argument("--deadline-s", type=float, default=3000, help="report what finished by then, and stop")
     p.add_argument("--out", default="benchmark/results")
     args = p.parse_args(argv)
     gpu = args.device == "cuda"
-    args.configs = args.configs or (GPU_CONFIGS if gpu else ["bfloat16:2"])
-    args.long_prompt = (100_000 if gpu else 0) if args.long_prompt is None else args.long_prompt
+    args.configs = args.configs or ((GLM5_CONFIGS if args.model == "glm5-shaped" else GPU_CONFIGS) if gpu
+                                    else ["bfloat16:2"])  # fmt: skip
+    from helpers.sglang_gpu_servers import MODELS
+
+    args.long_prompt = (MODELS[args.model].long_prompt if gpu else 0) if args.long_prompt is None else args.long_prompt
     configs = []
     for c in args.configs:
         kv, _, cp = c.partition(":")
@@ -231,10 +374,17 @@ def main(argv=None) -> int:
         p.error(f"--at-once {args.at_once}: expected 1 or more")
     if not gpu and configs != [("bfloat16", 2)]:
         p.error(f"--device cpu runs bfloat16:2 only (the CPU servers' roles), got {' '.join(args.configs)}")
-    t0 = time.monotonic()
+    t0 = args.t0 = time.monotonic()
     # the clusters write their tokenizers in parallel threads: transformers' lazy import is not thread-safe
     from transformers import PreTrainedTokenizerFast  # noqa: F401
 
+    plan, args.checkpoint = None, ""
+    if gpu and args.model != "toy":
+        plan = memory_plan(args, configs)
+        print(f"memory estimate: {plan['need_gib']} GiB of {plan['gpu_gib']} for {args.at_once} at once "
+              f"({'fits' if plan['fits'] else 'does NOT fit: use --at-once 1'}); per configuration "
+              + ", ".join(f"{c} {e['steady_gib']} GiB" for c, e in plan["per_config"].items()), flush=True)  # fmt: skip
+        args.checkpoint = _write_checkpoint_once(args.model, t0)
     results = [{"kv_cache_dtype": kv, "cp": cp} for kv, cp in configs]
     slots = threading.Semaphore(args.at_once)
 
@@ -253,8 +403,9 @@ def main(argv=None) -> int:
     print_table(results)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"sglang_server_check_{args.device}.json"), "w") as f:
-        json.dump({"provenance": run_provenance(results), "ok": ok, "wall_s": round(time.monotonic() - t0, 1),
-                   "configs": results}, f, indent=1, default=str)  # fmt: skip
+        json.dump({"provenance": run_provenance(results, args.model, args.device), "ok": ok,
+                   "wall_s": round(time.monotonic() - t0, 1), "memory_estimate": plan,
+                   "oracle_logprob_atol": ORACLE_LOGPROB_ATOL, "configs": results}, f, indent=1, default=str)  # fmt: skip
     with tarfile.open(os.path.join(args.out, f"sglang_server_logs_{args.device}.tar.xz"), "w:xz") as tar:
         for r in results:
             if os.path.isdir(os.path.join(r.get("workdir", ""), "logs")):

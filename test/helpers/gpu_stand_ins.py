@@ -201,3 +201,8 @@ def report() -> str:
     lines = [f"stand-ins used ({len(counts)} distinct):"]
     lines += [f"  {kind:6} {name}  x{n}  at {caller}" for (name, caller, kind), n in counts.items()]
     return "\n".join(lines)
+
+
+def record_call(name: str) -> None:
+    """A torch stand-in written here (not an import-time one) was called: recorded like the others."""
+    _USES.append((name, _caller(3), "call"))

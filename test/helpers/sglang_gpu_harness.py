@@ -13,6 +13,7 @@ Used by test/sglang_ext/layers/test_sglang_gpu_forward.py (correctness) and benc
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -168,6 +169,50 @@ def _replace_kernels() -> None:
     resolve = lambda: mqa_logits_triton.fp8_mqa_logits  # noqa: E731
     dsa_utils.resolve_fp8_mqa_logits_fn = resolve
     dsa_indexer.resolve_fp8_mqa_logits_fn = resolve
+    # MoE routing (GLM-5's sigmoid noaux_tc): on CUDA SGLang takes flashinfer's or a JIT router;
+    # its own torch version instead (eager: TORCHDYNAMO_DISABLE). Dense-only models never call it.
+    from sglang.srt.layers.moe import topk as moe_topk
+
+    moe_topk.biased_grouped_topk = _routing_torch(moe_topk.biased_grouped_topk_impl)
+
+
+def _routing_torch(impl):
+    from helpers import gpu_stand_ins
+
+    def biased_grouped_topk(*args, **kwargs):
+        gpu_stand_ins.record_call("moe routing: SGLang's biased_grouped_topk_impl (torch)")
+        return impl(*args, **kwargs)
+
+    return biased_grouped_topk
+
+
+def moe_experts_torch(method, layer, dispatch_output):
+    """`UnquantizedFusedMoEMethod.forward_cuda` in torch: SGLang's Triton MoE runner aligns tokens
+    with sgl_kernel's moe_align_block_size, which cannot load here. out[t] = rsf x sum_k
+    w[t, k] x down_e(silu(gate_e(x_t)) x up_e(x_t)) for e = ids[t, k] over this rank's TP shard
+    of each expert, summed per token in slot order (no atomics: the same input gives the same
+    bits); rsf = the runner's routed_scaling_factor, which SGLang's CUDA runner applies itself."""
+    import torch.nn.functional as F
+    from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
+
+    from helpers import gpu_stand_ins
+
+    gpu_stand_ins.record_call("moe experts: sglang_gpu_harness.moe_experts_torch")
+    x = dispatch_output.hidden_states
+    weights, ids, _ = dispatch_output.topk_output
+    per_slot = torch.zeros(*ids.shape, x.shape[-1], dtype=torch.float32, device=x.device)
+    w13, w2 = layer.w13_weight, layer.w2_weight
+    for e in range(w13.shape[0]):
+        rows, slots = (ids == e).nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            continue
+        h = x[rows] @ w13[e].t()
+        gate, up = (h[:, 0::2], h[:, 1::2]) if getattr(method, "w13_swiglu_interleaved", False) else h.chunk(2, -1)
+        y = (F.silu(gate) * up) @ w2[e].t()
+        per_slot[rows, slots] = y.float() * weights[rows, slots, None].float()
+    rsf = method.moe_runner_config.routed_scaling_factor
+    out = per_slot.sum(dim=1) * (1.0 if rsf is None else rsf)
+    return StandardCombineInput(hidden_states=out.to(x.dtype))
 
 
 def build_model(sa, seed: int = 0):
@@ -195,7 +240,8 @@ def pin_native_modules(model):
     from sglang.srt.layers.activation import SiluAndMul
     from sglang.srt.layers.layernorm import RMSNorm
     from sglang.srt.layers.rotary_embedding.rope_variant import DeepseekScalingRotaryEmbedding
-    from sglang.srt.models.deepseek_v2 import DeepseekV2AttentionMLA
+    from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
+    from sglang.srt.models.deepseek_v2 import DeepseekV2AttentionMLA, MoEGate
 
     from helpers.sglang_cpu_stand_ins import _rope_native_any_rank
 
@@ -206,6 +252,10 @@ def pin_native_modules(model):
             m._forward_method = _rope_native_any_rank(m)  # JIT rope kernel
         if isinstance(m, DeepseekV2AttentionMLA):
             m._use_min_latency_fused_a_gemm = False  # JIT fused-A GEMM -> cuBLAS
+        if isinstance(m, MoEGate):
+            m.tiny_router_gemm_max_tokens = -1  # JIT tiny GEMM (<= 16 tokens) -> cuBLAS
+        if isinstance(m, UnquantizedFusedMoEMethod):
+            m._forward_method = functools.partial(moe_experts_torch, m)  # sgl_kernel's MoE align
     gatherer = getattr(model.logits_processor, "_logits_gatherer", None)
     if gatherer is not None:
         gatherer._state = None  # NVLink multicast all-gather -> NCCL (multicast stays off here)

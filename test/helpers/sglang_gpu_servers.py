@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from helpers import glm5_shaped
 from helpers import sglang_gpu_harness as G
 from helpers import sglang_servers as S
 from helpers.distributed import SHARED_GPU_NCCL_ENV
@@ -30,6 +31,39 @@ CHUNK_TOKENS = 8192
 PREFILL_TOKENS_PER_RANK = 40960  # every CP prefill's pool per rank (the same KV bytes per rank): < 100k
 BIG_POOL_TOKENS = 140000  # the decode's and the oracle's: they hold a 100k-token prompt
 
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A checkpoint the server check runs, with its pools: every CP prefill `per_rank` tokens per
+    rank, the decode and the oracle `big`; `long_prompt` (past one rank's pool, within the shared
+    prefill's logical capacity less four chunks at CP 4); `top_logprobs` > 0: requests ask for
+    SGLang's logprobs, compared between paths (helpers.logprob_compare)."""
+
+    name: str
+    config: dict
+    chunk: int
+    per_rank: int
+    big: int
+    long_prompt: int
+    top_logprobs: int
+
+    @property
+    def context(self) -> int:
+        return self.config["max_position_embeddings"]
+
+    def pools(self, long_prompt: int | None = None) -> dict:
+        return dict(per_rank=self.per_rank, big=self.big, chunk=self.chunk, context=self.context,
+                    long_prompt=self.long_prompt if long_prompt is None else long_prompt)  # fmt: skip
+
+
+# toy: the CPU servers' 2-layer model; glm5-shaped: helpers/glm5_shaped.py (GLM-5's attention,
+# indexer and vocabulary, 1 dense + 2 MoE layers): a 131,072-token prompt at CP 4 = 4 x 40,960 less
+# four chunks, and 140,000 tokens for the decode and the oracle.
+MODELS = {
+    "toy": ModelSpec("toy", MODEL, CHUNK_TOKENS, PREFILL_TOKENS_PER_RANK, BIG_POOL_TOKENS, 100_000, 0),
+    "glm5-shaped": ModelSpec("glm5-shaped", glm5_shaped.GLM5_SHAPED, 8192, 40960, 140000, 131072, 5),
+}
+
 # SGLang's own switches on this machine: multicast off (KINDS.md), the memory-balance check off
 # (the ranks of several servers share one GPU, so their free memory differs by the others' use),
 # the symmetric-memory gather off (an NCCL window; SGLang turns it off itself below NCCL 2.31.2).
@@ -43,7 +77,7 @@ CPU_ONLY_ENV = ("OMP_NUM_THREADS", "SGLANG_CPU_OMP_THREADS_BIND", *S.sglang_cpu_
 PLUGIN_ENTRY_POINT = "[sglang.srt.plugins]\ngpu_stand_ins = helpers.sglang_gpu_server_stand_ins:register\n"
 
 
-def dsa_args(kv_cache_dtype: str) -> list[str]:
+def dsa_args(kv_cache_dtype: str, chunk: int = CHUNK_TOKENS) -> list[str]:
     """SGLang's DSA path on SM90 with the kernels the bundle can run: FlashMLA's sparse prefill
     (the flag's backend), flashmla_kv to decode an fp8 cache (SGLang's SM90 default), the torch
     top-k, cuBLAS GEMMs, eager (no CUDA graphs), NCCL instead of the custom all-reduce."""
@@ -51,15 +85,15 @@ def dsa_args(kv_cache_dtype: str) -> list[str]:
     return ["--device", "cuda", "--attention-backend", "dsa", "--kv-cache-dtype", kv_cache_dtype,
             "--dsa-prefill-backend", "flashmla_sparse", "--dsa-decode-backend", decode, "--dsa-topk-backend", "torch",
             "--bf16-gemm-backend", "torch", "--disable-cuda-graph", "--disable-custom-all-reduce",
-            "--chunked-prefill-size", str(CHUNK_TOKENS)]  # fmt: skip
+            "--chunked-prefill-size", str(chunk)]  # fmt: skip
 
 
-def roles(cp: int) -> dict[str, tuple[list[str], bool]]:
-    """The CPU cluster's roles at CP=`cp`, with the GPU's pool sizes."""
+def roles(cp: int, spec: ModelSpec = MODELS["toy"]) -> dict[str, tuple[list[str], bool]]:
+    """The CPU cluster's roles at CP=`cp`, with the GPU's pool sizes for `spec`."""
     cp_args = ["--tp", str(cp), "--enable-prefill-cp", "--cp-strategy", "interleave", "--attn-cp-size", str(cp),
                "--moe-dense-tp-size", "1", *S.PD_ARGS, "--disaggregation-mode", "prefill",
-               "--max-total-tokens", str(PREFILL_TOKENS_PER_RANK)]  # fmt: skip
-    big = ["--max-total-tokens", str(BIG_POOL_TOKENS)]
+               "--max-total-tokens", str(spec.per_rank)]  # fmt: skip
+    big = ["--max-total-tokens", str(spec.big)]
     return {
         "shared": (cp_args + ["--enable-nsa-prefill-cp-shared-kv"], True),
         "replicated": (cp_args, True),
@@ -73,14 +107,17 @@ def roles(cp: int) -> dict[str, tuple[list[str], bool]]:
 
 @dataclass
 class GpuCluster(S.Cluster):
-    """`sglang_servers.Cluster` on one GPU at CP=`cp` with `kv_cache_dtype` KV."""
+    """`sglang_servers.Cluster` on one GPU at CP=`cp` with `kv_cache_dtype` KV, serving `spec`'s
+    model: from `checkpoint` when given (written once for several clusters), else written here."""
 
     kv_cache_dtype: str = "bfloat16"
+    spec: ModelSpec = MODELS["toy"]
+    checkpoint: str = ""
 
     def write_model(self, path: str) -> str:
-        S.H.write_checkpoint(path, MODEL)
-        S.write_tokenizer(path, MODEL["vocab_size"])
-        return path
+        if self.checkpoint:
+            return self.checkpoint
+        return write_model(path, self.spec)
 
     def server_env(self) -> dict:
         env = S.server_env(S.write_plugin_site(str(self.workdir / "plugin_site"), PLUGIN_ENTRY_POINT))
@@ -89,12 +126,21 @@ class GpuCluster(S.Cluster):
         return env | GPU_ENV
 
     def role(self, name: str) -> tuple[list[str], bool]:
-        return roles(self.cp)[name]
+        return roles(self.cp, self.spec)[name]
 
     def server_command(self, port: int, role_args: list[str], bootstrap_port: int | None, nccl_port: int):
         cmd = [S.PYTHON, "-m", "helpers.sglang_gpu_server_stand_ins", "--model-path", self.model,
                "--host", "127.0.0.1", "--port", str(port), "--nccl-port", str(nccl_port),
-               *dsa_args(self.kv_cache_dtype), "--skip-server-warmup", *role_args]  # fmt: skip
+               *dsa_args(self.kv_cache_dtype, self.spec.chunk), "--skip-server-warmup", *role_args]  # fmt: skip
         if bootstrap_port is not None:
             cmd += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
         return cmd
+
+
+def write_model(path: str, spec: ModelSpec, device: str = "cpu") -> str:
+    """`spec`'s checkpoint and tokenizer in `path` (glm5-shaped: its tensors made on `device`)."""
+    if spec.name == "toy":
+        S.H.write_checkpoint(path, spec.config)
+        S.write_tokenizer(path, spec.config["vocab_size"])
+        return path
+    return glm5_shaped.write_checkpoint(path, spec.config, device=device)

@@ -549,11 +549,13 @@ def generate(url: str, input_ids: list[int], max_new_tokens: int, timeout_s: flo
     return answer.json()
 
 
-def generate_pd(prefill: Server, decode: Server, input_ids: list[int], max_new_tokens: int, timeout_s: float = 120):
+def generate_pd(prefill: Server, decode: Server, input_ids: list[int], max_new_tokens: int, timeout_s: float = 120,
+                **extra):  # fmt: skip
     """What a PD router does, done by the client: the same request with the same bootstrap fields
-    to the prefill and the decode at once. Returns (prefill answer, decode answer)."""
+    (and `extra` /generate fields) to the prefill and the decode at once. Returns (prefill answer,
+    decode answer)."""
     boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port,
-            "bootstrap_room": random.getrandbits(62)}  # fmt: skip
+            "bootstrap_room": random.getrandbits(62), **extra}  # fmt: skip
     answers = {}
 
     def post(name, server):
@@ -570,26 +572,31 @@ def generate_pd(prefill: Server, decode: Server, input_ids: list[int], max_new_t
     return answers["prefill"], answers["decode"]
 
 
-def three_paths(cluster: Cluster, input_ids: list[int], max_new_tokens: int, timeout_s: float = 120) -> dict:
+def three_paths(cluster: Cluster, input_ids: list[int], max_new_tokens: int, timeout_s: float = 120,
+                extra: dict | None = None, answers: dict | None = None) -> dict:  # fmt: skip
     """The same greedy request at once through the shared-KV PD (the cluster's router), the
     replicated PD (`generate_pd`) and the non-CP oracle ("single"). Returns each path's output ids:
     {"shared": [...], "replicated": [...], "oracle": [...]}. A path that fails raises
-    AssertionError naming it, with the end of every server's log."""
+    AssertionError naming it, with the end of every server's log. `extra`: more /generate fields
+    (e.g. logprobs); `answers`, when given, receives each path's whole JSON answer."""
     replicated, decode = cluster.servers["replicated"], cluster.servers["decode"]
+    extra = extra or {}
     calls = {
-        "shared": lambda: generate(cluster.router_url, input_ids, max_new_tokens, timeout_s),
-        "replicated": lambda: generate_pd(replicated, decode, input_ids, max_new_tokens, timeout_s)[1],
-        "oracle": lambda: generate(cluster.servers["single"].url, input_ids, max_new_tokens, timeout_s),
+        "shared": lambda: generate(cluster.router_url, input_ids, max_new_tokens, timeout_s, **extra),
+        "replicated": lambda: generate_pd(replicated, decode, input_ids, max_new_tokens, timeout_s, **extra)[1],
+        "oracle": lambda: generate(cluster.servers["single"].url, input_ids, max_new_tokens, timeout_s, **extra),
     }
     with futures.ThreadPoolExecutor(len(calls)) as pool:
-        answers = {path: pool.submit(call) for path, call in calls.items()}
+        pending = {path: pool.submit(call) for path, call in calls.items()}
         out = {}
-        for path, answer in answers.items():
+        for path, answer in pending.items():
             try:
                 result = answer.result()
                 if isinstance(result, Exception):  # generate_pd hands back the decode's failure
                     raise result
                 out[path] = result["output_ids"]
+                if answers is not None:
+                    answers[path] = result
             except requests.RequestException as e:
                 raise AssertionError(
                     f"{path} path, prompt of {len(input_ids)} tokens: {e!r}\n{cluster.log_tails()}"
@@ -605,7 +612,8 @@ def complete(url: str, prompt: str | list[int], max_tokens: int, timeout_s: floa
     return answer.json()
 
 
-def prompt_ids(length: int, seed: int) -> list[int]:
-    """Token ids 2..vocab-1 (no bos / eos), reproducible."""
+def prompt_ids(length: int, seed: int, vocab_size: int | None = None) -> list[int]:
+    """Token ids 2..vocab-1 (no bos / eos; `MODEL`'s vocabulary unless given), reproducible."""
     g = random.Random(seed)
-    return [g.randrange(2, MODEL["vocab_size"]) for _ in range(length)]
+    top = vocab_size or MODEL["vocab_size"]
+    return [g.randrange(2, top) for _ in range(length)]
