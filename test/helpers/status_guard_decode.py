@@ -161,7 +161,7 @@ def make_receiver(mgr, room=ROOM, metadata=True):
     receiver = OwnedPageKVReceiver(mgr, PREFILL, room)
     receiver.__dict__.update(
         prefill_info=SimpleNamespace(target_tp_rank=0, target_tp_ranks=[0], target_cp_ranks=[0, 1], target_pp_ranks=[0],
-                                     pp_size=1, attn_cp_size=2),
+                                     pp_size=1, attn_cp_size=2, enable_kv_cache_sharding=True),
         required_dst_info_num=1, bootstrap_infos=[],
     )  # fmt: skip
     mgr.required_prefill_response_num_table[room] = 2

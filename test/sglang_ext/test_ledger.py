@@ -1,7 +1,8 @@
 """CPU, ~35 s: the patch ledger (sglang_ext/ledger.py) against the installed SGLang 0.5.23.
 
-Every target resolves with its recorded signature and is patched after SGLang's `load_plugins()`;
-a class REPLACE is checked on SGLang's own class, captured before the replacement. A renamed
+Every target resolves with its recorded signature and is patched after SGLang's `load_plugins()`
+(the plugin replaces no SGLang class: its pool subclass is adopted by a hook on SGLang's pool
+builder, only with the flag). A renamed
 target, a changed signature (of a target, or of an SGLang method a subclass overrides), a private
 SGLang name an override relies on renamed or changed in kind, a hook that does not import, or an
 unpatched target makes the start-up validation of `--enable-nsa-prefill-cp-shared-kv` (SGLang's
@@ -17,6 +18,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import importlib  # noqa: E402
 import importlib.util  # noqa: E402
 import inspect  # noqa: E402
 import pkgutil  # noqa: E402
@@ -47,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FLAG = "--enable-nsa-prefill-cp-shared-kv"
 SPEC_HOOK = "mem_cache.page_interleave:make_page_shard_spec"
 POOL = "sglang.srt.mem_cache.page_interleave_pool.PageInterleaveDSATokenToKVPool"
-POOL_HOOK = "mem_cache.page_interleave_pool:PageInterleaveDSATokenToKVPool"
+POOL_HOOK = "mem_cache.kv_cache_configurator:adopt_sharded_dsa_pool"
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +146,7 @@ def _sglang_pool_class():
 
 def _resign_sglang_set_mla_kv_buffer(monkeypatch):
     """SGLang's own pool gains a parameter on a method the plugin's subclass overrides (the
-    subclass's override, which now has SGLang's pool's name, stays as it was)."""
+    subclass's override stays as it was)."""
 
     def set_mla_kv_buffer(self, layer, loc_info, cache_k_nope, cache_k_rope, layer_id_override=None, stream=None):
         raise AssertionError("not called")
@@ -161,7 +163,8 @@ def _rename_shard_extend_active(monkeypatch):
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)
     spec.loader.exec_module(module)
-    monkeypatch.setitem(ledger._SGLANG_CLASSES, POOL, module.PageInterleaveDSATokenToKVPool)
+    monkeypatch.setattr(importlib.import_module("sglang.srt.mem_cache.page_interleave_pool"),
+                        "PageInterleaveDSATokenToKVPool", module.PageInterleaveDSATokenToKVPool)  # fmt: skip
 
 
 def _make_slots_a_method(monkeypatch):
@@ -202,16 +205,17 @@ def test_a_broken_patch_point_refuses_the_flag_naming_the_hook(plugin, model, sm
     assert not getattr(_resolve(model, flag=False), ATTR, False)  # without the flag nothing refuses
 
 
-def test_a_class_replace_is_checked_on_sglangs_own_class(plugin):
-    """After the replacement SGLang's name is the plugin's subclass; the ledger reads SGLang's class,
-    captured before it, for the target, the overridden methods and the private names."""
+def test_no_sglang_class_is_replaced(plugin):
+    """SGLang's pool name stays SGLang's class after `load_plugins()`; the ledger reads it for the
+    overridden method and the private names."""
     from sglang_nsa_cp.sglang_ext.mem_cache.page_interleave_pool import PageInterleaveDSATokenToKVPool as Plugin
 
     sglang_pool = ledger.resolve_sglang(POOL)
-    assert pkgutil.resolve_name(POOL) is Plugin and Plugin.__bases__ == (sglang_pool,)
+    assert pkgutil.resolve_name(POOL) is sglang_pool and Plugin.__bases__ == (sglang_pool,)
     assert sglang_pool.__module__ == "sglang.srt.mem_cache.page_interleave_pool"
     assert ledger.resolve_sglang(f"{POOL}.set_mla_kv_buffer") is sglang_pool.set_mla_kv_buffer
     assert {"_slots", "_shard_extend_active"} <= ledger.attributes_set_on_self(sglang_pool)
+    assert all(p.kind != "REPLACE" for p in LEDGER)
 
 
 def test_the_ledger_lists_every_private_sglang_name_the_pool_overrides_use(plugin):
@@ -220,14 +224,14 @@ def test_the_ledger_lists_every_private_sglang_name_the_pool_overrides_use(plugi
 
     from sglang_nsa_cp.sglang_ext.mem_cache import page_interleave_pool
 
-    cls = page_interleave_pool.PageInterleaveDSATokenToKVPool
+    cls = page_interleave_pool.PageInterleaveDSATokenToKVPool  # the plugin's module
     tree = ast.parse(inspect.getsource(cls))
     used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
             and isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr.startswith("_")
             and not node.attr.startswith("__") and node.attr not in vars(cls)}  # fmt: skip
     kinds = {name: "method" if inspect.isfunction(getattr(ledger.resolve_sglang(POOL), name, None)) else "attribute"
              for name in used}  # fmt: skip
-    point = next(p for p in LEDGER if p.target == POOL)
+    point = next(p for p in LEDGER if p.hook == POOL_HOOK)
     assert dict((n.rsplit(".", 1)[1], k) for n, k in point.relies_on) == kinds
 
 

@@ -1,14 +1,12 @@
 """The patch ledger: every point where the plugin changes SGLang 0.5.23, as data.
 
 `register()` (`sglang_ext/__init__.py`) installs the entries of `LEDGER` in its order: HookRegistry
-hooks (BEFORE / AFTER / AROUND / REPLACE), which SGLang's `load_plugins()` then applies, and
+hooks (BEFORE / AFTER / AROUND), which SGLang's `load_plugins()` then applies, and
 RESOLUTION steps (`register_resolution_hook`). SGLang's `HookRegistry.apply_hooks()` only logs a
 target it cannot patch and carries on, so `check_patch_points()` fails closed: with the flag,
 start-up refuses, naming the hook, when a hook does not import or SGLang refused it, a target (or
 an SGLang method a hook's subclass overrides) no longer resolves or changed signature, a private
-SGLang name an override relies on is gone or changed kind, or a hook is not installed. For a
-class REPLACE every check reads SGLang's own class, captured by `register()` before the hook
-registry replaces it. The launcher checks during argument resolution, each scheduler again before
+SGLang name an override relies on is gone or changed kind, or a hook is not installed. The launcher checks during argument resolution, each scheduler again before
 it sizes its KV pool (`require_patch_points()`, from the `make_page_shard_spec` hook).
 
     python -m sglang_nsa_cp.sglang_ext.ledger                 # the table docs/sglang_plugin.md carries
@@ -31,7 +29,7 @@ from dataclasses import dataclass
 from importlib import import_module
 
 PACKAGE = "sglang_nsa_cp.sglang_ext"
-KINDS = ("BEFORE", "AFTER", "AROUND", "REPLACE", "RESOLUTION")
+KINDS = ("BEFORE", "AFTER", "AROUND", "RESOLUTION")
 NAME_KINDS = ("method", "attribute")  # what a private SGLang name an override relies on must be
 RECORDED_FOR = "0.5.23"  # the SGLang version the fingerprints below were recorded on
 
@@ -44,7 +42,7 @@ class PatchPoint:
     segment is the step name). hook: "module:function", the module relative to `PACKAGE`.
     signature: `fingerprint()` of the target in SGLang `RECORDED_FOR`. why: one line.
     upstream: the upstream SGLang change that would remove the patch. overrides: the SGLang methods
-    that the subclass the hook installs (a class REPLACE, or the classes a hook answers) overrides,
+    that the subclass the hook installs (the classes a hook answers or adopts) overrides,
     each with its fingerprint, checked like the target's. relies_on: the private SGLang names those
     overrides read, each with its kind ("method", or "attribute": set on `self` by SGLang's class).
     """
@@ -117,8 +115,10 @@ LEDGER: tuple[PatchPoint, ...] = (
                "mem_cache.page_interleave:make_page_shard_spec", "257ab401a067",
                "the sharded scratch holds SGLANG_NSA_CP_SCRATCH_CONTEXTS contexts (default 1), not SGLang's fixed 8",
                "a server setting for `_KV_SHARD_SCRATCH_PREFIX_CONTEXTS`"),
-    PatchPoint(_POOL, "REPLACE", "mem_cache.page_interleave_pool:PageInterleaveDSATokenToKVPool", "915bce3e5a47",
-               "SGLang's sharded DSA pool with the fp8 chunk quantized once (one pass for scratch and owned rows)",
+    PatchPoint(f"{_S}mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool", "AFTER",
+               "mem_cache.kv_cache_configurator:adopt_sharded_dsa_pool", "26a241a9d280",
+               "with the flag, SGLang's sharded DSA pool becomes the plugin's subclass: the fp8 chunk quantized "
+               "once (one pass for scratch and owned rows)",
                "the same change in `PageInterleaveDSATokenToKVPool` (docs/upstream.md)",
                overrides=((f"{_POOL}.set_mla_kv_buffer", "50d382e4c2f9"),),
                relies_on=((f"{_POOL}._slots", "attribute"), (f"{_POOL}._shard_extend_active", "attribute"),
@@ -163,22 +163,9 @@ LEDGER: tuple[PatchPoint, ...] = (
 )  # fmt: skip
 
 
-# SGLang's own class of each class REPLACE target, captured by `capture_sglang_class()` (from
-# `register()`) before the hook registry replaces the name everywhere it is bound.
-_SGLANG_CLASSES: dict[str, type] = {}
 # Patch points `register()` could not register in this process: target -> why (an import error, SGLang's refusal).
 _NOT_REGISTERED: dict[str, str] = {}
 _checked_ok = False  # `require_patch_points()` found everything in place in this process
-
-
-def capture_sglang_class(point: PatchPoint) -> None:
-    """Remember SGLang's class that a class REPLACE `point` replaces (call before `apply_hooks()`)."""
-    try:
-        current = pkgutil.resolve_name(point.target)
-    except (ImportError, AttributeError, ValueError):
-        return  # the check reports the target as unresolved
-    if point.target not in _SGLANG_CLASSES and current is not point.load_hook():
-        _SGLANG_CLASSES[point.target] = current
 
 
 def record_not_registered(point: PatchPoint, why: str) -> None:
@@ -186,16 +173,8 @@ def record_not_registered(point: PatchPoint, why: str) -> None:
 
 
 def resolve_sglang(name: str):
-    """SGLang's object at dotted `name`; under a class REPLACE target, SGLang's own class (captured
-    before the replacement), not the plugin's subclass that now has its name."""
-    for target, cls in _SGLANG_CLASSES.items():
-        if name == target:
-            return cls
-        if name.startswith(target + "."):
-            obj = cls
-            for attr in name[len(target) + 1 :].split("."):
-                obj = getattr(obj, attr)
-            return obj
+    """SGLang's object at dotted `name` (what a hook wraps: `HookRegistry`'s wrappers keep it as
+    `__wrapped__`, which the fingerprint follows)."""
     return pkgutil.resolve_name(name)
 
 
@@ -230,8 +209,7 @@ def _closes_over(fn, hook) -> bool:
 
 def is_installed(point: PatchPoint) -> bool:
     """Whether SGLang calls the point's hook: a registered resolution wrapper, or a target that
-    `HookRegistry.apply_hooks()` patched and whose current value wraps the hook (or is the hook,
-    for a class REPLACE)."""
+    `HookRegistry.apply_hooks()` patched and whose current value wraps the hook."""
     from sglang.srt.arg_groups.resolution_hooks import _HOOKS as resolution_wrappers
     from sglang.srt.plugins.hook_registry import HookRegistry
 
@@ -239,13 +217,11 @@ def is_installed(point: PatchPoint) -> bool:
     if point.kind == "RESOLUTION":
         return hook in resolution_wrappers.get(point.step, ())
     current = pkgutil.resolve_name(point.target)
-    if isinstance(hook, type):  # a class REPLACE: the target is the hook itself
-        return point.target in HookRegistry._patched and current is hook
     return point.target in HookRegistry._patched and _closes_over(current, hook)
 
 
 def current_fingerprint(target: str) -> str:
-    """The target's fingerprint now (SGLang's own, for a class REPLACE), or why it has none."""
+    """The target's fingerprint now, or why it has none."""
     try:
         return fingerprint(resolve_sglang(target))
     except (ImportError, AttributeError, ValueError) as err:
@@ -338,11 +314,6 @@ def _problem(point: PatchPoint) -> str | None:
     except ImportError as err:
         return f"its hook does not import ({type(err).__name__}: {err}); fix that import"
     problem = _signature_problem("its target", point.target, point.signature)
-    if not problem and point.kind == "REPLACE" and point.target not in _SGLANG_CLASSES:
-        problem = (
-            "SGLang's own class was not captured before the replacement (`register()` did not run in this "
-            "process before `HookRegistry.apply_hooks()`); load the plugin through SGLang's `load_plugins()`"
-        )
     for method, recorded in point.overrides:
         problem = problem or _signature_problem(f"the overridden `{method}`", method, recorded)
     problem = problem or _relies_on_problem(point)
