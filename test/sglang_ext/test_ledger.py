@@ -371,6 +371,46 @@ def test_a_changed_overridden_method_refuses_the_flag(plugin, model, sm90, monke
         "signature changed" in str(err.value), str(err.value)  # fmt: skip
 
 
+def test_the_environment_the_flag_sets_is_the_ledgers(plugin, model, sm90, monkeypatch):
+    """Every variable the flag's resolution sets beyond what SGLang's resolution of the same server
+    without it sets is a ledger entry (`ENVIRONMENT`, in the table), set only where the operator did
+    not. (SGLang's own KV sharding, which the flag turns on, picks its Python radix tree core in the
+    environment: SGLang's, not the plugin's.)"""
+    names = {e.name for e in ledger.ENVIRONMENT}
+    sglangs = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"  # arg_groups/kv_shard_hook.py:handle_kv_cache_sharding
+    for name in names | {sglangs}:
+        monkeypatch.setenv(name, "unset by the test")  # restored (removed) at teardown
+        monkeypatch.delenv(name)
+    _resolve(model, flag=False)  # what SGLang's own resolution sets
+    assert not names & set(os.environ)
+    before = dict(os.environ)
+    _resolve(model)
+    changed = {k for k in set(os.environ) | set(before) if os.environ.get(k) != before.get(k)} - {sglangs}
+    assert changed == names, changed
+    assert all(f"`{name}`" in markdown_table() for name in names)
+    queue = ledger.ENVIRONMENT[0].name
+    monkeypatch.setenv(queue, "1024")  # the operator's value stays
+    _resolve(model)
+    assert os.environ[queue] == "1024"
+
+
+def _drop_hook_registry_patched(monkeypatch):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    monkeypatch.delattr(HookRegistry, "_patched")
+
+
+def test_a_private_sglang_name_the_ledger_reads_refuses_when_gone(plugin, monkeypatch):
+    """The ledger's own reads of SGLang privates (`LEDGER_READS`, in the table) are checked before any
+    hook is: gone, the check names it instead of failing with an AttributeError."""
+    assert [n for n, _ in ledger.LEDGER_READS] == ["sglang.srt.arg_groups.resolution_hooks._HOOKS",
+                                                   "sglang.srt.plugins.hook_registry.HookRegistry._patched"]  # fmt: skip
+    _drop_hook_registry_patched(monkeypatch)
+    (problem,) = check_patch_points()
+    assert "reads SGLang's private `sglang.srt.plugins.hook_registry.HookRegistry._patched` (a set)" in problem
+    assert "and it is gone" in problem, problem
+
+
 def test_module_prints_the_table_without_importing_sglang():
     code = "import runpy, sys; runpy.run_module('sglang_nsa_cp.sglang_ext.ledger', run_name='__main__'); "
     code += "assert 'sglang' not in sys.modules, 'the ledger imported sglang'"

@@ -163,6 +163,49 @@ LEDGER: tuple[PatchPoint, ...] = (
 )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class EnvironmentSetting:
+    """A variable the flag's start-up validation sets in the launcher's environment (only where the
+    operator did not: `os.environ.setdefault`), which SGLang's schedulers and Mooncake inherit."""
+
+    name: str
+    value: str  # what it is set to
+    why: str
+
+
+# What the flag changes in SGLang's and Mooncake's environment (`parallel_hook.validate`, a
+# shared-KV prefill only); nothing else is set.
+ENVIRONMENT: tuple[EnvironmentSetting, ...] = (
+    EnvironmentSetting("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "65535",
+                       "Mooncake's TCP queue takes ~2048 entries a peer by default, 65535 at most: the most"),
+    EnvironmentSetting("SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES", "65535 // (layers + 1)",
+                       "SGLang's batches (an entry a page and layer, the MTP layer's included) kept under that queue"),
+)  # fmt: skip
+
+# SGLang's private names the ledger itself reads to tell whether a hook is installed, with the
+# type each must be; checked first (without them no installation can be checked).
+LEDGER_READS: tuple[tuple[str, type], ...] = (
+    (f"{_S}arg_groups.resolution_hooks._HOOKS", dict),
+    (f"{_S}plugins.hook_registry.HookRegistry._patched", set),
+)
+
+
+def _ledger_read_problems() -> list[str]:
+    problems = []
+    for name, kind in LEDGER_READS:
+        try:
+            value = pkgutil.resolve_name(name)
+        except (ImportError, AttributeError, ValueError) as err:
+            value = err
+        if not isinstance(value, kind):
+            problems.append(
+                f"the ledger reads SGLang's private `{name}` (a {kind.__name__}) to check its hooks, and it is "
+                f"{'gone' if isinstance(value, Exception) else f'a {type(value).__name__}'}; port "
+                f"`is_installed` in sglang_ext/ledger.py to the installed SGLang, or install sglang=={RECORDED_FOR}"
+            )
+    return problems
+
+
 # Patch points `register()` could not register in this process: target -> why (an import error, SGLang's refusal).
 _NOT_REGISTERED: dict[str, str] = {}
 _checked_ok = False  # `require_patch_points()` found everything in place in this process
@@ -334,7 +377,9 @@ def check_patch_points() -> list[str]:
     Run it after SGLang's `load_plugins()` (registration, then `HookRegistry.apply_hooks()`); the
     start-up checks do, during argument resolution, which every SGLang entry point runs after it,
     and each scheduler does through `require_patch_points()`."""
-    problems = []
+    problems = _ledger_read_problems()
+    if problems:
+        return problems
     for point in LEDGER:
         problem = _problem(point)
         if problem:
@@ -380,6 +425,14 @@ def markdown_table() -> str:
             if p.relies_on:
                 names = ", ".join(f"`{n.rsplit('.', 1)[1]}` ({kind})" for n, kind in p.relies_on)
                 lines.append(f"  - SGLang private names these overrides use, checked for kind: {names}")
+    lines += [
+        "",
+        "Environment the flag sets on a shared-KV prefill, where the operator did not (`os.environ.setdefault`):",
+        "",
+    ]
+    lines += [f"- `{e.name}` = {e.value}: {e.why}" for e in ENVIRONMENT]
+    lines += ["", "SGLang private names the ledger itself reads to check its hooks:", ""]
+    lines += [f"- `{name}` ({kind.__name__})" for name, kind in LEDGER_READS]
     return "\n".join(lines)
 
 

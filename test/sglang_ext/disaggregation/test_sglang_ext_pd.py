@@ -417,6 +417,33 @@ def test_status_socket_refuses_frames_past_its_limit():
     ctx.term()
 
 
+def test_the_frame_limit_is_on_the_status_socket_alone():
+    """Issue 47: the limit was set on SGLang's shared ZMQ context while the status socket was made,
+    so a socket another thread made from that context in the window inherited it. Now it is set
+    on the one socket: a socket made from the same context meanwhile (here: inside SGLang's call)
+    and the context's defaults keep SGLang's options."""
+    import zmq
+    from sglang.srt.utils.network import get_zmq_socket_on_host
+
+    import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as hooks
+
+    ctx = zmq.Context()
+    meanwhile = []
+
+    def sglangs_call(context, socket_type, **kwargs):
+        meanwhile.append(ctx.socket(zmq.PUSH))  # another thread's socket, made in the window
+        return get_zmq_socket_on_host(context, socket_type, **kwargs)
+
+    with hooks.limited_status_frames(4096):
+        _, pull = hooks.limit_status_frames(sglangs_call, ctx, zmq.PULL, host="127.0.0.1")
+    assert pull.getsockopt(zmq.MAXMSGSIZE) == 4096 and pull.getsockopt(zmq.RCVHWM) == hooks.STATUS_RCVHWM
+    assert meanwhile[0].getsockopt(zmq.MAXMSGSIZE) == -1, "a socket made meanwhile inherited the limit"
+    assert zmq.MAXMSGSIZE not in ctx.sockopts
+    for sock in (pull, *meanwhile):
+        sock.close(linger=0)
+    ctx.term()
+
+
 def _deliver(mgr, room, rank, frame):
     """One status message, as SGLang's decode thread handles it."""
     from sglang.srt.disaggregation.base.conn import KVPoll

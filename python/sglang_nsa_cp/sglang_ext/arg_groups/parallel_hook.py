@@ -31,7 +31,7 @@ from sglang.srt.model_executor.cuda_graph_config import Backend
 
 from sglang_nsa_cp.disagg.listeners import exposure
 from sglang_nsa_cp.envs import envs
-from sglang_nsa_cp.sglang_ext.ledger import check_patch_points
+from sglang_nsa_cp.sglang_ext.ledger import ENVIRONMENT, check_patch_points
 from sglang_nsa_cp.sglang_ext.server_args import ATTR, DECODE_ATTR, FLAG, SharedKVConfigError, requested
 
 logger = logging.getLogger(__name__)
@@ -383,11 +383,11 @@ def validate(server_args: Any) -> None:
         # SGLang's own KV sharding does the work: its page-interleaved pool (the plugin's
         # subclass), owner-rotating allocator, admission gate, HiCache tier and owner-page send.
         declare_resolution(server_args, FLAG, enable_kv_cache_sharding=True)
-        # Mooncake's TCP queue takes ~2048 entries a peer by default, 65535 at most: the most, and
-        # SGLang's batches (an entry a page and layer, MTP's included) kept under it. Inherited.
-        os.environ.setdefault("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "65535")
+        # The environment the flag sets (ledger.ENVIRONMENT, its why), inherited by the schedulers.
+        queue, batch = ENVIRONMENT
+        os.environ.setdefault(queue.name, queue.value)
         layers = model_config_of(server_args).num_hidden_layers + 1
-        os.environ.setdefault("SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES", str(65535 // layers))
+        os.environ.setdefault(batch.name, str(int(queue.value) // layers))
         logger.info(
             "%s: shared-KV prefill CP on SGLang's KV sharding (attn_cp_size=%d)",
             FLAG,
