@@ -26,6 +26,7 @@ import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import textwrap  # noqa: E402
 from collections import defaultdict  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -81,6 +82,21 @@ def test_every_target_resolves_with_its_recorded_signature(plugin):
         )
 
 
+def test_every_fingerprint_covers_the_body_and_is_distinct(plugin):
+    """SIGNATURE:BODY for every target, overridden method and copied function, no two the same
+    (a signature alone repeats: three `(self)` methods, two `(server_args)` steps); a Triton
+    kernel's is its Python function's, so the interpreter and the GPU agree."""
+    from sglang.kernels.ops.quantization.dsa_quant_k_cache import _quantize_k_cache_fast_kernel
+
+    recorded = [fp for p in LEDGER for _, fp in ((p.target, p.signature), *p.overrides, *p.copies)]
+    assert all(re.fullmatch(r"[0-9a-f]{12}:[0-9a-f]{12}", fp) for fp in recorded), recorded
+    assert len(set(recorded)) == len(recorded), "two entries share a fingerprint"
+    signatures = [fp.split(":")[0] for fp in recorded]
+    assert len(set(signatures)) < len(signatures)  # what the bodies tell apart
+    assert fingerprint(_quantize_k_cache_fast_kernel) == fingerprint(_quantize_k_cache_fast_kernel.fn)
+    assert any(m.endswith("dsa_quant_k_cache.quantize_k_cache_separate") for p in LEDGER for m, _ in p.copies)
+
+
 def test_every_hook_loads_and_every_step_is_overridable():
     from sglang.srt.arg_groups.resolution_hooks import _OVERRIDABLE_HOOKS
 
@@ -125,6 +141,39 @@ def _change_signature(monkeypatch):
     monkeypatch.setattr(page_interleave, "make_page_shard_spec", _wrap_fn(make_page_shard_spec, hook, HookType.AROUND))
 
 
+def _change_body(monkeypatch):
+    """SGLang changes what the function does, not its signature; the plugin's hook still wraps it."""
+    from sglang.srt.mem_cache import page_interleave
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+    def make_page_shard_spec(kvc):
+        return None  # a different body, the same signature
+
+    hook = _point(SPEC_HOOK).load_hook()
+    monkeypatch.setattr(page_interleave, "make_page_shard_spec", _wrap_fn(make_page_shard_spec, hook, HookType.AROUND))
+
+
+def _change_overridden_body(monkeypatch):
+    """SGLang's receiver clears a room differently; the plugin's `_clear` override still calls it."""
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
+
+    def _clear(self):
+        return None
+
+    monkeypatch.setattr(MooncakeKVReceiver, "_clear", _clear)
+
+
+def _change_quantizer_math(monkeypatch):
+    """SGLang's fp8 quantizer kernel, whose math the fused store copies, computes its scale otherwise."""
+    from sglang.kernels.ops.quantization import dsa_quant_k_cache as quant
+
+    source = inspect.getsource(quant._quantize_k_cache_fast_kernel.fn).replace("/ FP8_MAX", "/ (FP8_MAX - 1)")
+    assert "FP8_MAX - 1" in source
+    namespace = dict(vars(quant))
+    exec(compile(textwrap.dedent(source), inspect.getsourcefile(quant), "exec"), namespace)
+    monkeypatch.setattr(quant, "_quantize_k_cache_fast_kernel", namespace["_quantize_k_cache_fast_kernel"])
+
+
 def _unwrap_target(monkeypatch):
     """The original function back in place, as when apply_hooks failed on the target."""
     from sglang.srt.mem_cache import page_interleave
@@ -163,6 +212,8 @@ def _rename_shard_extend_active(monkeypatch):
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)
     spec.loader.exec_module(module)
+    # the overridden method as it was (its body is fingerprinted): only the attribute's name changed
+    module.PageInterleaveDSATokenToKVPool.set_mla_kv_buffer = _sglang_pool_class().set_mla_kv_buffer
     monkeypatch.setattr(importlib.import_module("sglang.srt.mem_cache.page_interleave_pool"),
                         "PageInterleaveDSATokenToKVPool", module.PageInterleaveDSATokenToKVPool)  # fmt: skip
 
@@ -181,6 +232,11 @@ def _break_hook_import(monkeypatch):
 FAULTS = [
     (_rename_target, SPEC_HOOK, "its target no longer resolves"),
     (_change_signature, SPEC_HOOK, "its target's signature changed"),
+    (_change_body, SPEC_HOOK, "its target's body changed"),
+    (_change_overridden_body, "disaggregation.utils:get_kv_class",
+     "the overridden `sglang.srt.disaggregation.mooncake.conn.MooncakeKVReceiver._clear`'s body changed"),
+    (_change_quantizer_math, POOL_HOOK,
+     "the copied `sglang.kernels.ops.quantization.dsa_quant_k_cache._quantize_k_cache_fast_kernel`'s body changed"),
     (_unwrap_target, SPEC_HOOK, "it is not installed"),
     (_drop_resolution_step, "arg_groups.parallel_hook:validate_then", "it is not installed"),
     (_resign_sglang_set_mla_kv_buffer, POOL_HOOK, f"the overridden `{POOL}.set_mla_kv_buffer`'s signature changed"),
@@ -292,14 +348,15 @@ def test_sglang_refusing_the_resolution_hooks_refuses_the_flag(plugin, model, sm
 
 
 def test_each_scheduler_checks_the_patch_points_before_it_sizes_its_pool(plugin, monkeypatch):
-    """A scheduler with the flag requested refuses to configure its KV cache when a patch point is
-    not in place in its own process, or when the launcher's validation never ran."""
+    """A scheduler with the flag requested (a prefill's, or an opted-in decode's) refuses to
+    configure its KV cache when a patch point is not in place in its own process, or when the
+    launcher's validation never ran."""
     from types import SimpleNamespace
 
     from sglang.srt import runtime_context
 
     from sglang_nsa_cp.sglang_ext.mem_cache.page_interleave import make_page_shard_spec
-    from sglang_nsa_cp.sglang_ext.server_args import ATTR, REQUEST_ATTR
+    from sglang_nsa_cp.sglang_ext.server_args import ATTR, DECODE_ATTR, REQUEST_ATTR
 
     server_args = SimpleNamespace(**{REQUEST_ATTR: True, ATTR: True})
     monkeypatch.setattr(runtime_context, "get_server_args", lambda: server_args)
@@ -311,6 +368,16 @@ def test_each_scheduler_checks_the_patch_points_before_it_sizes_its_pool(plugin,
         _resign_sglang_set_mla_kv_buffer(broken)
         with pytest.raises(RuntimeError, match=f"  - hook {POOL_HOOK} .*set_mla_kv_buffer`'s signature changed"):
             make_page_shard_spec(lambda kvc: None, kvc)
+    monkeypatch.setattr(ledger, "_checked_ok", False)
+    decode = SimpleNamespace(**{REQUEST_ATTR: True, DECODE_ATTR: True})  # a decode's scheduler, opted in
+    monkeypatch.setattr(runtime_context, "get_server_args", lambda: decode)
+    assert make_page_shard_spec(lambda kvc: None, kvc) is None
+    monkeypatch.setattr(ledger, "_checked_ok", False)
+    with monkeypatch.context() as broken:
+        _change_overridden_signature(broken)  # a method the decode's manager overrides
+        with pytest.raises(RuntimeError, match=r"  - hook disaggregation.utils:get_kv_class .*maybe_send_extra"):
+            make_page_shard_spec(lambda kvc: None, kvc)
+    monkeypatch.setattr(runtime_context, "get_server_args", lambda: server_args)
     setattr(server_args, ATTR, False)  # requested, but no resolution step wrote the decision
     with pytest.raises(RuntimeError, match="was requested but its start-up validation never ran"):
         make_page_shard_spec(lambda kvc: None, kvc)
