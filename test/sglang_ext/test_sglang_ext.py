@@ -312,6 +312,57 @@ def test_the_flag_on_a_decode_is_its_opt_in(plugin, models, sm90, monkeypatch):
         _resolve(decode + [FLAG])
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_the_flag_needs_the_pd_secret_unless_the_network_is_declared_trusted(plugin, models, sm90, monkeypatch, role):
+    """Issue 47: without SGLANG_NSA_CP_PD_SECRET forged statuses committed rooms early. The flag now
+    refuses to start without it, on both roles, naming both fixes, unless the operator declares the
+    PD network trusted; a secret too short is refused at start-up too (it was only at the KV-manager
+    build, after the weights)."""
+    from sglang_nsa_cp.sglang_ext.arg_groups.parallel_hook import SharedKVConfigError
+    from sglang_nsa_cp.sglang_ext.server_args import ATTR, DECODE_ATTR
+
+    argv = _argv(models["v32"]) if role == "prefill" else [
+        "--model-path", models["v32"], "--disaggregation-mode", "decode", "--device", "cuda", FLAG]  # fmt: skip
+    decision = ATTR if role == "prefill" else DECODE_ATTR
+    monkeypatch.delenv("SGLANG_NSA_CP_PD_SECRET")
+    with pytest.raises(SharedKVConfigError) as err:
+        _resolve(argv)
+    assert "1 problem(s)" in str(err.value), str(err.value)
+    assert "needs SGLANG_NSA_CP_PD_SECRET" in str(err.value) and "or set SGLANG_NSA_CP_PD_NETWORK_TRUSTED=1" in str(
+        err.value
+    ), str(err.value)
+    assert not getattr(_resolve(argv[:-1]), decision, False)  # without the flag: SGLang's, nothing asked
+    monkeypatch.setenv("SGLANG_NSA_CP_PD_NETWORK_TRUSTED", "1")
+    assert getattr(_resolve(argv), decision) is True
+    monkeypatch.setenv("SGLANG_NSA_CP_PD_SECRET", "short")
+    with pytest.raises(SharedKVConfigError, match="SGLANG_NSA_CP_PD_SECRET is 5 bytes long; it must be at least 16"):
+        _resolve(argv)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+@pytest.mark.parametrize(
+    "name,value,message",
+    [
+        ("SGLANG_NSA_CP_SCRATCH_CONTEXTS", " 2", "has spaces around its value"),
+        ("SGLANG_NSA_CP_SCRATCH_CONTEXTS", "0", "must be at least 1"),
+        ("SGLANG_NSA_CP_KERNELS", "cuda", "expected one of ('auto', 'triton', 'torch')"),
+        ("SGLANG_NSA_CP_PD_NETWORK_TRUSTED", "maybe", "is not a boolean"),
+    ],
+)
+def test_a_bad_variable_refuses_the_flag_at_start_up(plugin, models, sm90, monkeypatch, role, name, value, message):
+    """Issue 47: these passed the start-up check and were refused only after the weights loaded
+    (pool sizing, the first fp8 request); a decode had no start-up check. Now every SGLANG_NSA_CP_*
+    variable is parsed during argument resolution, on both roles."""
+    from sglang_nsa_cp.sglang_ext.arg_groups.parallel_hook import SharedKVConfigError
+
+    argv = _argv(models["v32"]) if role == "prefill" else [
+        "--model-path", models["v32"], "--disaggregation-mode", "decode", "--device", "cuda", FLAG]  # fmt: skip
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SharedKVConfigError) as err:
+        _resolve(argv)
+    assert name in str(err.value) and message in str(err.value), str(err.value)
+
+
 # SGLang's KV sharding checks the draft's top-k before it fills in the defaults: name them
 ONE_CHAIN = {"--speculative-eagle-topk": "1", "--speculative-num-steps": "1", "--speculative-num-draft-tokens": "2"}
 
