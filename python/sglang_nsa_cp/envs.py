@@ -161,7 +161,14 @@ class NsaCpEnvs:
         "SGLANG_NSA_CP_PD_SECRET",
         None,
         "Key of the PD messages (HMAC-SHA256), at least 16 bytes, the same on the decode and every "
-        "prefill rank; unset: nothing is keyed.",
+        "prefill rank. Without it the flag refuses to start unless SGLANG_NSA_CP_PD_NETWORK_TRUSTED=1.",
+    )
+    SGLANG_NSA_CP_PD_NETWORK_TRUSTED = EnvBool(
+        "SGLANG_NSA_CP_PD_NETWORK_TRUSTED",
+        False,
+        "Set to 1 to run the flag without SGLANG_NSA_CP_PD_SECRET, once only the PD peers can reach the "
+        "prefill's bootstrap and the decode's status ports: PD messages are then not keyed, and anyone who "
+        "reaches those ports can forge a room's commit or fail it.",
     )
     SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED = EnvBool(
         "SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED",

@@ -342,6 +342,21 @@ def _allow_cpu_device(original, server_args):
     return [p for p in original(server_args) if not p.startswith(CUDA_ONLY_PROBLEM)]
 
 
+CLASSES_LINE = "cpu_stand_ins: classes built: "
+
+
+def _qualified(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def report_classes(manager, queue, *args, **kwargs):
+    """AFTER a PD queue's `_init_kv_manager`: one line naming the classes SGLang built there (its
+    KV manager, and the KV pool the queue serves), which test_sglang_server_pd.py reads from the
+    server's log (`classes_built`). Reports only."""
+    print(f"{CLASSES_LINE}manager={_qualified(manager)} pool={_qualified(queue.token_to_kv_pool)}", flush=True)
+    return manager
+
+
 def register():
     """Entry point of the test-only `cpu_stand_ins` plugin; runs in every SGLang process."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -360,6 +375,8 @@ def register():
     HookRegistry.register(
         "sglang_nsa_cp.sglang_ext.arg_groups.parallel_hook.find_problems", _allow_cpu_device, HookType.AROUND
     )
+    for queue in ("prefill.PrefillBootstrapQueue", "decode.DecodePreallocQueue"):
+        HookRegistry.register(f"sglang.srt.disaggregation.{queue}._init_kv_manager", report_classes, HookType.AFTER)
     HookRegistry.register(
         "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.init_hicache",
         _install_hicache_stand_ins,

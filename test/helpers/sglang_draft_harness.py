@@ -97,7 +97,8 @@ def build_mtp_kv_shard_pool(sa, mc, target):
         layer_info=SimpleNamespace(num_effective_layers=1, start_layer=0, end_layer=1),
     )  # fmt: skip
     sizes = SimpleNamespace(max_total_num_tokens=target.pool.size)  # the draft's budget: the same per rank
-    return KVCacheConfigurator._build_mtp_kv_shard_pool(kvc, sizes=sizes, is_dsa_model=True, is_dsv4_model=False)
+    pool = KVCacheConfigurator._build_mtp_kv_shard_pool(kvc, sizes=sizes, is_dsa_model=True, is_dsv4_model=False)
+    return harness.as_sglang_builds(pool)  # `_build_token_to_kv_pool` returns it through the plugin's hook
 
 
 class DraftEngine(harness.RotatedEngine):

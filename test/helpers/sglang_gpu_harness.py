@@ -292,14 +292,19 @@ class GpuEngine:
             raise ValueError(f"pool must be one of {sorted(POOLS)}, got {pool!r}")
         contexts = {"shared": envs.SGLANG_NSA_CP_SCRATCH_CONTEXTS.get(),
                     "sglang_pool": page_interleave._KV_SHARD_SCRATCH_PREFIX_CONTEXTS}.get(pool, 1)  # fmt: skip
-        # SGLang's own class is the subclass's base: the hook registry rebinds every module-level
-        # name of the original class to the plugin's, `SGLangPool` in the plugin's module included.
+        # SGLang's own class is the subclass's base (the plugin replaces no class: its hook on SGLang's
+        # pool builder adopts a built pool, with the flag)
         sglang_class = Plugin.__bases__[0]
         assert sglang_class.__module__ == "sglang.srt.mem_cache.page_interleave_pool", sglang_class
         pool_class = sglang_class if pool == "sglang_pool" else page_interleave_pool.PageInterleaveDSATokenToKVPool
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-        with mock.patch.object(page_interleave_pool, "PageInterleaveDSATokenToKVPool", pool_class):
+        from sglang_nsa_cp.sglang_ext.mem_cache import kv_cache_configurator as pool_hook
+
+        with (
+            mock.patch.object(page_interleave_pool, "PageInterleaveDSATokenToKVPool", pool_class),
+            mock.patch.object(pool_hook, "is_enabled", lambda: pool != "sglang_pool"),  # SGLang's class stays its own
+        ):
             engine = RotatedEngine(sa, mc, model, pages_per_rank, shard_size, sharded=pool != "replicated",
                                    max_len=max_len, chunk_tokens=chunk_tokens, scratch_contexts=contexts)  # fmt: skip
         torch.cuda.synchronize()

@@ -98,7 +98,15 @@ def roles(cp: int, spec: ModelSpec = MODELS["toy"]) -> dict[str, tuple[list[str]
         "shared": (cp_args + ["--enable-nsa-prefill-cp-shared-kv"], True),
         "replicated": (cp_args, True),
         "decode": (
-            S.PD_ARGS + ["--disaggregation-mode", "decode", *S.ONE_AT_A_TIME, *S.DECODE_EXTRA_SLOTS, *big],
+            S.PD_ARGS
+            + [
+                "--disaggregation-mode",
+                "decode",
+                "--enable-nsa-prefill-cp-shared-kv",
+                *S.ONE_AT_A_TIME,
+                *S.DECODE_EXTRA_SLOTS,
+                *big,
+            ],  # fmt: skip
             False,
         ),
         "single": (S.ONE_AT_A_TIME + big, False),

@@ -3,7 +3,7 @@ CPU, over SGLang's KV sharding (`--enable-kv-cache-sharding`, which the plugin's
 and over SGLang's unmodified `DSATokenToKVPool`.
 
 Under sharding each rank holds SGLang's `PageInterleaveDSATokenToKVPool` (the plugin's subclass
-once `load_plugins()` ran) of the per-rank size, with its `PageShardSpec` and shard group, and
+with the flag's decision, as the plugin's hook on SGLang's pool builder hands it out) of the per-rank size, with its `PageShardSpec` and shard group, and
 SGLang's `PageInterleavePoolAllocator(..., shard_spec=spec)` over it, as SGLang's configurator
 builds them. Used by test_sglang_ext_hicache.py (`round_trips`: one spawned process, world 1; the
 N ranks of a CP group are N pools in that process, since write-back and load-back never
@@ -42,8 +42,8 @@ PER_RANK_TOKENS = 8 * PAGE  # one rank's device rows (the replicated pool: N x t
 
 def setup_process(model_path: str):
     """Publish ServerArgs with HiCache on (kernel I/O, layer_first, host:device ratio 2), build
-    SGLang's groups on the spawned process's gloo world and load the plugin (its pool subclass
-    replaces SGLang's)."""
+    SGLang's groups on the spawned process's gloo world and load the plugin with the flag's decision
+    (the pools SGLang builds become its subclass)."""
     for k, v in stand_ins.ENV.items():
         os.environ[k] = v
     stand_ins.install_process_stand_ins()
@@ -66,6 +66,9 @@ def setup_process(model_path: str):
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
+    from sglang_nsa_cp.sglang_ext.server_args import ATTR
+
+    setattr(sa, ATTR, True)  # the decision the flag's start-up validation writes
     return sa
 
 
@@ -198,12 +201,14 @@ def sharded_tier(rank: int, n: int) -> Tier:
     communicator serve prefill extends only)."""
     from sglang.srt.mem_cache import page_interleave_pool
 
-    from helpers.sglang_model_harness import shard_spec
+    from helpers.sglang_model_harness import as_sglang_builds, shard_spec
 
     group = SimpleNamespace(world_size=n, rank_in_group=rank, cpu_group=None, device=torch.device("cpu"))
     spec = shard_spec(rank, n, context_len=PER_RANK_TOKENS, chunk_tokens=PAGE, contexts=1)
-    pool = page_interleave_pool.PageInterleaveDSATokenToKVPool(
-        **kv_pool_kwargs(PER_RANK_TOKENS), shard_spec=spec, shard_group=group
+    pool = as_sglang_builds(
+        page_interleave_pool.PageInterleaveDSATokenToKVPool(
+            **kv_pool_kwargs(PER_RANK_TOKENS), shard_spec=spec, shard_group=group
+        )
     )
     return Tier(pool, sharded_allocator(pool))
 
@@ -408,7 +413,7 @@ def _hicache_engine(mode, rank, world, model_path):
 
         from sglang_nsa_cp.sglang_ext.server_args import ATTR
 
-        load_plugins()  # the plugin's entry point: its pool subclass replaces SGLang's
+        load_plugins()  # the plugin's entry point: with the decision, SGLang's pools become its subclass
         setattr(sa, ATTR, True)  # the decision its start-up validation writes (see docs)
     mc, model = H.build_model(sa)
     if mode == "sharded":

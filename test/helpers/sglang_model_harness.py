@@ -320,6 +320,14 @@ def record_collectives() -> list:
 # ---- SGLang's page-interleaved pool (the rebased plugin) -----------------------------------------
 
 
+def as_sglang_builds(pool):
+    """`pool` as SGLang's KV configurator hands it out, through the plugin's AFTER hook on
+    `_build_token_to_kv_pool` (the plugin's subclass with the flag's decision, else SGLang's class)."""
+    from sglang_nsa_cp.sglang_ext.mem_cache.kv_cache_configurator import adopt_sharded_dsa_pool
+
+    return adopt_sharded_dsa_pool(pool)
+
+
 def shard_spec(rank: int, shard_size: int, context_len: int, chunk_tokens: int, contexts: int):
     """SGLang's `PageShardSpec` for a scratch of `contexts` contexts plus one chunk, sized by the
     plugin's `scratch_spec` (what its `make_page_shard_spec` hook gives a server)."""
@@ -352,8 +360,8 @@ class RotatedEngine(Engine):
 
         group = get_parallel().attn_cp_group
         spec = shard_spec(group.rank_in_group, group.world_size, *self._sharded)
-        pool_class = page_interleave_pool.PageInterleaveDSATokenToKVPool  # the plugin's, once loaded
-        return pool_class(size=self.pages_per_rank * PAGE, **kw, shard_spec=spec, shard_group=group)
+        pool_class = page_interleave_pool.PageInterleaveDSATokenToKVPool
+        return as_sglang_builds(pool_class(size=self.pages_per_rank * PAGE, **kw, shard_spec=spec, shard_group=group))
 
     def init_requests(self, seed: int = 0):
         sharded = dict(kvcache=self.pool, shard_spec=self.pool.shard_spec) if self._sharded else {}

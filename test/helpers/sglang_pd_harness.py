@@ -80,15 +80,16 @@ def _write_latent(pool, pages):
             pool.set_mla_kv_buffer(None, loc, nope, rope, layer_id_override=layer)
 
 
-def publish(mode, cp_size, cp_rank, bootstrap_port, shard_group=None):
+def publish(mode, cp_size, cp_rank, bootstrap_port, shard_group=None, opted_in=False):
     """Publish the process's ServerArgs and ranks. shard_group: a shared-KV prefill CP rank's
     attention-CP group; then the plugin's flag and SGLang's `--enable-kv-cache-sharding` are on,
-    as the plugin's start-up validation leaves them (`CommonKVManager.__init__` reads the shard
+    as the plugin's start-up validation leaves them (`opted_in`: a decode's decision, the flag on
+    the decode) (`CommonKVManager.__init__` reads the shard
     rank and size off that group, Mooncake's DSA state send filters by them)."""
     from sglang.srt.runtime_context import get_context, get_parallel
     from sglang.srt.server_args import ServerArgs
 
-    from sglang_nsa_cp.sglang_ext.server_args import ATTR
+    from sglang_nsa_cp.sglang_ext.server_args import ATTR, DECODE_ATTR
 
     shared_kv = shard_group is not None
     server_args = ServerArgs(
@@ -99,6 +100,8 @@ def publish(mode, cp_size, cp_rank, bootstrap_port, shard_group=None):
     )  # fmt: skip
     if shared_kv:
         setattr(server_args, ATTR, True)  # what the plugin's start-up validation writes
+    if opted_in:
+        setattr(server_args, DECODE_ATTR, True)
     get_context().set_server_args(server_args)
     if shared_kv:
         get_parallel().override_permanently(attn_cp_group=shard_group)
@@ -250,21 +253,21 @@ def _sharded_pools(rank, cp_size, shard_group, kv, draft, prefill_pages=PREFILL_
     from sglang.srt.mem_cache import page_interleave_pool
     from sglang.srt.runtime_context import get_parallel
 
-    from helpers.sglang_model_harness import shard_spec
+    from helpers.sglang_model_harness import as_sglang_builds, shard_spec
 
     import sglang_nsa_cp.sglang_ext.mem_cache.page_interleave_pool as plugin_pool
 
-    pool_class = page_interleave_pool.PageInterleaveDSATokenToKVPool
-    assert pool_class is plugin_pool.PageInterleaveDSATokenToKVPool, "the plugin's REPLACE hook did not take"
+    pool_class = page_interleave_pool.PageInterleaveDSATokenToKVPool  # SGLang's: the plugin replaces no class
     spec = shard_spec(rank, cp_size, context_len=4 * PAGE, chunk_tokens=4 * PAGE, contexts=1)
     size = (prefill_pages // cp_size - 1) * PAGE
     with get_parallel().override(attn_dcp_size=1, dcp_enabled=False):
-        pool = pool_class(**pool_kwargs(size, kv), shard_spec=spec, shard_group=shard_group)
+        pool = as_sglang_builds(pool_class(**pool_kwargs(size, kv), shard_spec=spec, shard_group=shard_group))
         draft_pool = None
         if draft:
-            draft_pool = pool_class(
+            draft_pool = as_sglang_builds(pool_class(
                 **pool_kwargs(pool.size, kv, layers=1), shard_spec=pool.shard_spec, shard_group=pool.shard_group
-            )
+            ))  # fmt: skip
+    assert type(pool) is plugin_pool.PageInterleaveDSATokenToKVPool, "the plugin's pool hook did not take"
     return pool, draft_pool
 
 
@@ -409,7 +412,7 @@ def _decode(name, plugin, bootstrap_port, requests, draft=False, kv="bfloat16") 
     env(waiting_timeout=WAITING_TIMEOUT_S)
     if plugin:
         load_plugin()
-    server_args = publish("decode", 1, 0, bootstrap_port)
+    server_args = publish("decode", 1, 0, bootstrap_port, opted_in=plugin)
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.decode import DecodePreallocQueue
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
@@ -482,6 +485,10 @@ def _decode(name, plugin, bootstrap_port, requests, draft=False, kv="bfloat16") 
                         wrong.append(("index", k, layer))
         untouched = [p for p in range(DECODE_PAGES) if p not in used]
         stray = [p for p in untouched for t in (latent + index) if not bool((t[p] == SENTINEL).all())]
+        # positions of this room whose decode page holds anything but the sentinel
+        written = [
+            k for k, page in enumerate(dst) if any(not bool((t[page] == SENTINEL).all()) for t in latent + index)
+        ]
         results.append(
             (
                 "room",
@@ -492,6 +499,7 @@ def _decode(name, plugin, bootstrap_port, requests, draft=False, kv="bfloat16") 
                     "reason": reason,
                     "wrong": wrong,
                     "stray": stray,
+                    "written": written,
                     "seconds": round(time.monotonic() - t_room, 2),
                     **fuzzed,
                 },

@@ -30,8 +30,9 @@ PAGES_PER_RANK = 8
 MAX_LEN = 256
 BATCH = [(0, 5), (1, 3)]  # two new requests (no cached history), pages of both owners; few tokens,
 # because SGLang's quantizer runs 5 interpreted Triton programs per token here
-# variant -> (pool class: SGLang's own or the plugin's, the flag's decision)
-VARIANTS = {"sglang": ("sglang", False), "plugin, flag off": ("plugin", False), "plugin, flag on": ("plugin", True)}
+# variant -> the flag's decision; each pool is SGLang's class as built, handed out through the
+# plugin's hook on SGLang's pool builder (the plugin's subclass only with the flag)
+VARIANTS = {"sglang": False, "plugin": True}
 
 
 def _count_calls(module, name: str) -> dict:
@@ -58,22 +59,22 @@ def run_fp8_pool_writes(rank, world, group, model_path) -> dict:
     from sglang_nsa_cp.kernels import mla_fp8_owned_and_scratch as fused
     from sglang_nsa_cp.sglang_ext.server_args import ATTR
 
-    load_plugins()  # SGLang's name is now the plugin's subclass
+    load_plugins()
     from sglang.kernels.ops.quantization.dsa_quant_k_cache import quantize_k_cache_separate
     from sglang.srt.mem_cache import memory_pool
 
     memory_pool.quantize_k_cache_separate = quantize_k_cache_separate  # SGLang's kernel, not the twin
-    classes = {"plugin": page_interleave_pool.PageInterleaveDSATokenToKVPool}
-    classes["sglang"] = classes["plugin"].__bases__[0]
     cp_group = get_parallel().attn_cp_group
     quantizations = H.count_fp8_quantizations()
     fused_stores = _count_calls(fused, "store_mla_fp8_owned_and_scratch_triton")
     out = {}
-    for variant, (which, flag) in VARIANTS.items():
+    for variant, flag in VARIANTS.items():
         setattr(sa, ATTR, flag)  # the decision the flag's start-up validation writes
         quantizations["calls"] = fused_stores["calls"] = 0
         spec = H.shard_spec(cp_group.rank_in_group, cp_group.world_size, MAX_LEN, chunk_tokens=2 * PAGE, contexts=1)
-        pool = classes[which](**pool_kwargs(PAGES_PER_RANK * PAGE, "fp8"), shard_spec=spec, shard_group=cp_group)
+        pool = H.as_sglang_builds(page_interleave_pool.PageInterleaveDSATokenToKVPool(
+            **pool_kwargs(PAGES_PER_RANK * PAGE, "fp8"), shard_spec=spec, shard_group=cp_group
+        ))  # fmt: skip
         H.poison_gather_scratch(pool)
         req_to_token = torch.zeros((4, MAX_LEN), dtype=torch.int32)
         requests = RotatedPagedRequests(req_to_token, PAGES_PER_RANK, PAGE, world, kvcache=pool, shard_spec=spec)

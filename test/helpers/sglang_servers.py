@@ -54,6 +54,9 @@ SERVER_ENV = {
     # Mooncake listens on every interface whatever its host; these servers talk over loopback only,
     # and its ports come from a range below free_ports' (the range a deployment firewalls)
     "SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED": "1",
+    # the PD messages keyed (the flag refuses to start without a secret unless the network is declared
+    # trusted): the keyed path runs through the real servers
+    "SGLANG_NSA_CP_PD_SECRET": "cpu-servers-pd-secret-0123456789abcdef",
     "MC_MIN_RPC_PORT": "9000",
     "MC_MAX_RPC_PORT": "9499",
     "OMP_NUM_THREADS": "1",
@@ -325,7 +328,14 @@ HICACHE_ARGS = ["--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicach
 ROLES = {
     "shared": (CP_ARGS + PD_ARGS + ["--disaggregation-mode", "prefill", "--enable-nsa-prefill-cp-shared-kv"], True),
     "replicated": (CP_ARGS + PD_ARGS + ["--disaggregation-mode", "prefill"], True),
-    "decode": (PD_ARGS + ["--disaggregation-mode", "decode"] + ONE_AT_A_TIME + DECODE_EXTRA_SLOTS, False),
+    # the flag on the decode: its opt-in to shared-KV prefills (it serves the replicated one as SGLang does)
+    "decode": (
+        PD_ARGS
+        + ["--disaggregation-mode", "decode", "--enable-nsa-prefill-cp-shared-kv"]
+        + ONE_AT_A_TIME
+        + DECODE_EXTRA_SLOTS,
+        False,
+    ),  # fmt: skip
     "single": (ONE_AT_A_TIME, False),
 }
 # fp8 KV (test_sglang_server_fp8.py): SGLang's fp8 DSA pool (FlashMLA's 656-byte rows) on both
@@ -352,6 +362,13 @@ def logical_capacity(server: "Server") -> int:
     """The tokens the server's scheduler admits against (SGLang's load report: logical tokens, N x a
     rank's pool under KV sharding)."""
     return load(server)["max_total_num_tokens"]
+
+
+def classes_built(server: "Server") -> set[tuple[str, str]]:
+    """(KV manager class, KV pool class) each of the server's PD schedulers built, as the test-only
+    stand-in plugin reports them (`sglang_cpu_stand_ins.report_classes`)."""
+    line = re.escape(sglang_cpu_stand_ins.CLASSES_LINE) + r"manager=(\S+) pool=(\S+)"
+    return set(re.findall(line, server.log_text()))
 
 
 def scratch_logs(server: "Server", rank: int) -> list[str]:

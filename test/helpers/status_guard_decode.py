@@ -149,9 +149,10 @@ def idle_manager(secret=None, aux=None):
     return mgr
 
 
-def make_receiver(mgr, room=ROOM, metadata=True):
+def make_receiver(mgr, room=ROOM, metadata=True, owner_sharded=True):
     """SGLang's receiver of the plugin for `room` on `mgr` (its real `__init__`), targeting 2 prefill
-    CP ranks (unique ranks 0 and 1) as SGLang's `init` would; with `metadata`, its real
+    CP ranks (unique ranks 0 and 1) as SGLang's `init` would, of a prefill that advertises
+    owner-sharded pages (`owner_sharded`; else a replicated CP prefill); with `metadata`, its real
     `send_metadata` for 4 KV and 4 index-K pages at aux slot AUX_INDEX (no prefill to send to)."""
     import numpy as np
     from sglang.srt.disaggregation.base.conn import StateType
@@ -161,7 +162,7 @@ def make_receiver(mgr, room=ROOM, metadata=True):
     receiver = OwnedPageKVReceiver(mgr, PREFILL, room)
     receiver.__dict__.update(
         prefill_info=SimpleNamespace(target_tp_rank=0, target_tp_ranks=[0], target_cp_ranks=[0, 1], target_pp_ranks=[0],
-                                     pp_size=1, attn_cp_size=2),
+                                     pp_size=1, attn_cp_size=2, enable_kv_cache_sharding=owner_sharded),
         required_dst_info_num=1, bootstrap_infos=[],
     )  # fmt: skip
     mgr.required_prefill_response_num_table[room] = 2

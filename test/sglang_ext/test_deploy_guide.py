@@ -5,7 +5,7 @@ resolution (`prepare_server_args`, `resolve_once`) with the plugin loaded, the G
 (`--device cuda`, SGLang's detection there; the SM90 capability; `mlx5_0` in its InfiniBand sysfs)
 and a tiny config.json of the same architecture in place of the checkpoint: the prefill
 lines must come out with shared KV on SGLang's KV sharding (and the KV dtype and prefill backend
-they name), the decode lines as plain decodes. The router line goes through sglang-router's own
+they name), the decode lines as decodes that opted in (the same flag), without SGLang's sharding. The router line goes through sglang-router's own
 parser. A guide line that stops resolving fails here.
 """
 
@@ -69,8 +69,9 @@ def node(sm90, monkeypatch):
 
 
 def test_the_guide_has_the_deployments_it_promises():
-    prefills = [argv for argv in SERVERS if FLAG in argv]
+    prefills = [argv for argv in SERVERS if "prefill" in argv]
     decodes = [argv for argv in SERVERS if "decode" in argv]
+    assert all(FLAG in argv for argv in prefills + decodes), "every line of the pair carries the flag"
     models = {argv[argv.index("--model-path") + 1] for argv in prefills}
     dtypes = {argv[argv.index("--kv-cache-dtype") + 1] for argv in prefills}
     assert models == set(CHECKPOINTS) and dtypes == {"bfloat16", "fp8_e4m3"}, (models, dtypes)
@@ -82,7 +83,7 @@ def test_every_server_line_resolves(plugin, tiny_models, node, argv):
     from sglang.srt.arg_groups.overrides import resolving_view
     from sglang.srt.server_args import prepare_server_args
 
-    from sglang_nsa_cp.sglang_ext.server_args import ATTR
+    from sglang_nsa_cp.sglang_ext.server_args import ATTR, DECODE_ATTR
 
     argv = list(argv) + ["--device", "cuda"]  # what SGLang detects on the GPU node; none here
     i = argv.index("--model-path") + 1
@@ -90,12 +91,13 @@ def test_every_server_line_resolves(plugin, tiny_models, node, argv):
     server_args = prepare_server_args(argv)
     server_args.resolve_once()
     cfg = resolving_view(server_args)
-    if FLAG in argv:
+    if "prefill" in argv:
         assert getattr(server_args, ATTR) is True and cfg.enable_kv_cache_sharding is True, argv
         assert cfg.kv_cache_dtype == argv[argv.index("--kv-cache-dtype") + 1]
         assert (cfg.dsa_prefill_backend, cfg.page_size, cfg.disaggregation_mode) == ("flashmla_sparse", 64, "prefill")
     else:
-        assert not getattr(server_args, ATTR, False) and cfg.disaggregation_mode == "decode", argv
+        assert getattr(server_args, DECODE_ATTR) is True and not getattr(server_args, ATTR, False), argv
+        assert cfg.disaggregation_mode == "decode" and not cfg.enable_kv_cache_sharding, argv
 
 
 def test_the_router_line_parses():

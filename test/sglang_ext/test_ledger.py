@@ -1,7 +1,8 @@
 """CPU, ~35 s: the patch ledger (sglang_ext/ledger.py) against the installed SGLang 0.5.23.
 
-Every target resolves with its recorded signature and is patched after SGLang's `load_plugins()`;
-a class REPLACE is checked on SGLang's own class, captured before the replacement. A renamed
+Every target resolves with its recorded signature and is patched after SGLang's `load_plugins()`
+(the plugin replaces no SGLang class: its pool subclass is adopted by a hook on SGLang's pool
+builder, only with the flag). A renamed
 target, a changed signature (of a target, or of an SGLang method a subclass overrides), a private
 SGLang name an override relies on renamed or changed in kind, a hook that does not import, or an
 unpatched target makes the start-up validation of `--enable-nsa-prefill-cp-shared-kv` (SGLang's
@@ -17,6 +18,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import importlib  # noqa: E402
 import importlib.util  # noqa: E402
 import inspect  # noqa: E402
 import pkgutil  # noqa: E402
@@ -24,6 +26,7 @@ import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import textwrap  # noqa: E402
 from collections import defaultdict  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -47,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FLAG = "--enable-nsa-prefill-cp-shared-kv"
 SPEC_HOOK = "mem_cache.page_interleave:make_page_shard_spec"
 POOL = "sglang.srt.mem_cache.page_interleave_pool.PageInterleaveDSATokenToKVPool"
-POOL_HOOK = "mem_cache.page_interleave_pool:PageInterleaveDSATokenToKVPool"
+POOL_HOOK = "mem_cache.kv_cache_configurator:adopt_sharded_dsa_pool"
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +80,21 @@ def test_every_target_resolves_with_its_recorded_signature(plugin):
             f"{point.target}: SGLang changed its signature; check {point.hook}, then re-record it "
             "(python -m sglang_nsa_cp.sglang_ext.ledger --fingerprints)"
         )
+
+
+def test_every_fingerprint_covers_the_body_and_is_distinct(plugin):
+    """SIGNATURE:BODY for every target, overridden method and copied function, no two the same
+    (a signature alone repeats: three `(self)` methods, two `(server_args)` steps); a Triton
+    kernel's is its Python function's, so the interpreter and the GPU agree."""
+    from sglang.kernels.ops.quantization.dsa_quant_k_cache import _quantize_k_cache_fast_kernel
+
+    recorded = [fp for p in LEDGER for _, fp in ((p.target, p.signature), *p.overrides, *p.copies)]
+    assert all(re.fullmatch(r"[0-9a-f]{12}:[0-9a-f]{12}", fp) for fp in recorded), recorded
+    assert len(set(recorded)) == len(recorded), "two entries share a fingerprint"
+    signatures = [fp.split(":")[0] for fp in recorded]
+    assert len(set(signatures)) < len(signatures)  # what the bodies tell apart
+    assert fingerprint(_quantize_k_cache_fast_kernel) == fingerprint(_quantize_k_cache_fast_kernel.fn)
+    assert any(m.endswith("dsa_quant_k_cache.quantize_k_cache_separate") for p in LEDGER for m, _ in p.copies)
 
 
 def test_every_hook_loads_and_every_step_is_overridable():
@@ -123,6 +141,39 @@ def _change_signature(monkeypatch):
     monkeypatch.setattr(page_interleave, "make_page_shard_spec", _wrap_fn(make_page_shard_spec, hook, HookType.AROUND))
 
 
+def _change_body(monkeypatch):
+    """SGLang changes what the function does, not its signature; the plugin's hook still wraps it."""
+    from sglang.srt.mem_cache import page_interleave
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+    def make_page_shard_spec(kvc):
+        return None  # a different body, the same signature
+
+    hook = _point(SPEC_HOOK).load_hook()
+    monkeypatch.setattr(page_interleave, "make_page_shard_spec", _wrap_fn(make_page_shard_spec, hook, HookType.AROUND))
+
+
+def _change_overridden_body(monkeypatch):
+    """SGLang's receiver clears a room differently; the plugin's `_clear` override still calls it."""
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
+
+    def _clear(self):
+        return None
+
+    monkeypatch.setattr(MooncakeKVReceiver, "_clear", _clear)
+
+
+def _change_quantizer_math(monkeypatch):
+    """SGLang's fp8 quantizer kernel, whose math the fused store copies, computes its scale otherwise."""
+    from sglang.kernels.ops.quantization import dsa_quant_k_cache as quant
+
+    source = inspect.getsource(quant._quantize_k_cache_fast_kernel.fn).replace("/ FP8_MAX", "/ (FP8_MAX - 1)")
+    assert "FP8_MAX - 1" in source
+    namespace = dict(vars(quant))
+    exec(compile(textwrap.dedent(source), inspect.getsourcefile(quant), "exec"), namespace)
+    monkeypatch.setattr(quant, "_quantize_k_cache_fast_kernel", namespace["_quantize_k_cache_fast_kernel"])
+
+
 def _unwrap_target(monkeypatch):
     """The original function back in place, as when apply_hooks failed on the target."""
     from sglang.srt.mem_cache import page_interleave
@@ -144,7 +195,7 @@ def _sglang_pool_class():
 
 def _resign_sglang_set_mla_kv_buffer(monkeypatch):
     """SGLang's own pool gains a parameter on a method the plugin's subclass overrides (the
-    subclass's override, which now has SGLang's pool's name, stays as it was)."""
+    subclass's override stays as it was)."""
 
     def set_mla_kv_buffer(self, layer, loc_info, cache_k_nope, cache_k_rope, layer_id_override=None, stream=None):
         raise AssertionError("not called")
@@ -161,7 +212,10 @@ def _rename_shard_extend_active(monkeypatch):
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)
     spec.loader.exec_module(module)
-    monkeypatch.setitem(ledger._SGLANG_CLASSES, POOL, module.PageInterleaveDSATokenToKVPool)
+    # the overridden method as it was (its body is fingerprinted): only the attribute's name changed
+    module.PageInterleaveDSATokenToKVPool.set_mla_kv_buffer = _sglang_pool_class().set_mla_kv_buffer
+    monkeypatch.setattr(importlib.import_module("sglang.srt.mem_cache.page_interleave_pool"),
+                        "PageInterleaveDSATokenToKVPool", module.PageInterleaveDSATokenToKVPool)  # fmt: skip
 
 
 def _make_slots_a_method(monkeypatch):
@@ -178,6 +232,11 @@ def _break_hook_import(monkeypatch):
 FAULTS = [
     (_rename_target, SPEC_HOOK, "its target no longer resolves"),
     (_change_signature, SPEC_HOOK, "its target's signature changed"),
+    (_change_body, SPEC_HOOK, "its target's body changed"),
+    (_change_overridden_body, "disaggregation.utils:get_kv_class",
+     "the overridden `sglang.srt.disaggregation.mooncake.conn.MooncakeKVReceiver._clear`'s body changed"),
+    (_change_quantizer_math, POOL_HOOK,
+     "the copied `sglang.kernels.ops.quantization.dsa_quant_k_cache._quantize_k_cache_fast_kernel`'s body changed"),
     (_unwrap_target, SPEC_HOOK, "it is not installed"),
     (_drop_resolution_step, "arg_groups.parallel_hook:validate_then", "it is not installed"),
     (_resign_sglang_set_mla_kv_buffer, POOL_HOOK, f"the overridden `{POOL}.set_mla_kv_buffer`'s signature changed"),
@@ -202,16 +261,17 @@ def test_a_broken_patch_point_refuses_the_flag_naming_the_hook(plugin, model, sm
     assert not getattr(_resolve(model, flag=False), ATTR, False)  # without the flag nothing refuses
 
 
-def test_a_class_replace_is_checked_on_sglangs_own_class(plugin):
-    """After the replacement SGLang's name is the plugin's subclass; the ledger reads SGLang's class,
-    captured before it, for the target, the overridden methods and the private names."""
+def test_no_sglang_class_is_replaced(plugin):
+    """SGLang's pool name stays SGLang's class after `load_plugins()`; the ledger reads it for the
+    overridden method and the private names."""
     from sglang_nsa_cp.sglang_ext.mem_cache.page_interleave_pool import PageInterleaveDSATokenToKVPool as Plugin
 
     sglang_pool = ledger.resolve_sglang(POOL)
-    assert pkgutil.resolve_name(POOL) is Plugin and Plugin.__bases__ == (sglang_pool,)
+    assert pkgutil.resolve_name(POOL) is sglang_pool and Plugin.__bases__ == (sglang_pool,)
     assert sglang_pool.__module__ == "sglang.srt.mem_cache.page_interleave_pool"
     assert ledger.resolve_sglang(f"{POOL}.set_mla_kv_buffer") is sglang_pool.set_mla_kv_buffer
     assert {"_slots", "_shard_extend_active"} <= ledger.attributes_set_on_self(sglang_pool)
+    assert all(p.kind != "REPLACE" for p in LEDGER)
 
 
 def test_the_ledger_lists_every_private_sglang_name_the_pool_overrides_use(plugin):
@@ -220,14 +280,14 @@ def test_the_ledger_lists_every_private_sglang_name_the_pool_overrides_use(plugi
 
     from sglang_nsa_cp.sglang_ext.mem_cache import page_interleave_pool
 
-    cls = page_interleave_pool.PageInterleaveDSATokenToKVPool
+    cls = page_interleave_pool.PageInterleaveDSATokenToKVPool  # the plugin's module
     tree = ast.parse(inspect.getsource(cls))
     used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
             and isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr.startswith("_")
             and not node.attr.startswith("__") and node.attr not in vars(cls)}  # fmt: skip
     kinds = {name: "method" if inspect.isfunction(getattr(ledger.resolve_sglang(POOL), name, None)) else "attribute"
              for name in used}  # fmt: skip
-    point = next(p for p in LEDGER if p.target == POOL)
+    point = next(p for p in LEDGER if p.hook == POOL_HOOK)
     assert dict((n.rsplit(".", 1)[1], k) for n, k in point.relies_on) == kinds
 
 
@@ -288,14 +348,15 @@ def test_sglang_refusing_the_resolution_hooks_refuses_the_flag(plugin, model, sm
 
 
 def test_each_scheduler_checks_the_patch_points_before_it_sizes_its_pool(plugin, monkeypatch):
-    """A scheduler with the flag requested refuses to configure its KV cache when a patch point is
-    not in place in its own process, or when the launcher's validation never ran."""
+    """A scheduler with the flag requested (a prefill's, or an opted-in decode's) refuses to
+    configure its KV cache when a patch point is not in place in its own process, or when the
+    launcher's validation never ran."""
     from types import SimpleNamespace
 
     from sglang.srt import runtime_context
 
     from sglang_nsa_cp.sglang_ext.mem_cache.page_interleave import make_page_shard_spec
-    from sglang_nsa_cp.sglang_ext.server_args import ATTR, REQUEST_ATTR
+    from sglang_nsa_cp.sglang_ext.server_args import ATTR, DECODE_ATTR, REQUEST_ATTR
 
     server_args = SimpleNamespace(**{REQUEST_ATTR: True, ATTR: True})
     monkeypatch.setattr(runtime_context, "get_server_args", lambda: server_args)
@@ -307,6 +368,16 @@ def test_each_scheduler_checks_the_patch_points_before_it_sizes_its_pool(plugin,
         _resign_sglang_set_mla_kv_buffer(broken)
         with pytest.raises(RuntimeError, match=f"  - hook {POOL_HOOK} .*set_mla_kv_buffer`'s signature changed"):
             make_page_shard_spec(lambda kvc: None, kvc)
+    monkeypatch.setattr(ledger, "_checked_ok", False)
+    decode = SimpleNamespace(**{REQUEST_ATTR: True, DECODE_ATTR: True})  # a decode's scheduler, opted in
+    monkeypatch.setattr(runtime_context, "get_server_args", lambda: decode)
+    assert make_page_shard_spec(lambda kvc: None, kvc) is None
+    monkeypatch.setattr(ledger, "_checked_ok", False)
+    with monkeypatch.context() as broken:
+        _change_overridden_signature(broken)  # a method the decode's manager overrides
+        with pytest.raises(RuntimeError, match=r"  - hook disaggregation.utils:get_kv_class .*maybe_send_extra"):
+            make_page_shard_spec(lambda kvc: None, kvc)
+    monkeypatch.setattr(runtime_context, "get_server_args", lambda: server_args)
     setattr(server_args, ATTR, False)  # requested, but no resolution step wrote the decision
     with pytest.raises(RuntimeError, match="was requested but its start-up validation never ran"):
         make_page_shard_spec(lambda kvc: None, kvc)
@@ -365,6 +436,46 @@ def test_a_changed_overridden_method_refuses_the_flag(plugin, model, sm90, monke
     assert "  - hook disaggregation.utils:get_kv_class (" in str(err.value), str(err.value)
     assert "the overridden `sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.maybe_send_extra`'s " \
         "signature changed" in str(err.value), str(err.value)  # fmt: skip
+
+
+def test_the_environment_the_flag_sets_is_the_ledgers(plugin, model, sm90, monkeypatch):
+    """Every variable the flag's resolution sets beyond what SGLang's resolution of the same server
+    without it sets is a ledger entry (`ENVIRONMENT`, in the table), set only where the operator did
+    not. (SGLang's own KV sharding, which the flag turns on, picks its Python radix tree core in the
+    environment: SGLang's, not the plugin's.)"""
+    names = {e.name for e in ledger.ENVIRONMENT}
+    sglangs = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"  # arg_groups/kv_shard_hook.py:handle_kv_cache_sharding
+    for name in names | {sglangs}:
+        monkeypatch.setenv(name, "unset by the test")  # restored (removed) at teardown
+        monkeypatch.delenv(name)
+    _resolve(model, flag=False)  # what SGLang's own resolution sets
+    assert not names & set(os.environ)
+    before = dict(os.environ)
+    _resolve(model)
+    changed = {k for k in set(os.environ) | set(before) if os.environ.get(k) != before.get(k)} - {sglangs}
+    assert changed == names, changed
+    assert all(f"`{name}`" in markdown_table() for name in names)
+    queue = ledger.ENVIRONMENT[0].name
+    monkeypatch.setenv(queue, "1024")  # the operator's value stays
+    _resolve(model)
+    assert os.environ[queue] == "1024"
+
+
+def _drop_hook_registry_patched(monkeypatch):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    monkeypatch.delattr(HookRegistry, "_patched")
+
+
+def test_a_private_sglang_name_the_ledger_reads_refuses_when_gone(plugin, monkeypatch):
+    """The ledger's own reads of SGLang privates (`LEDGER_READS`, in the table) are checked before any
+    hook is: gone, the check names it instead of failing with an AttributeError."""
+    assert [n for n, _ in ledger.LEDGER_READS] == ["sglang.srt.arg_groups.resolution_hooks._HOOKS",
+                                                   "sglang.srt.plugins.hook_registry.HookRegistry._patched"]  # fmt: skip
+    _drop_hook_registry_patched(monkeypatch)
+    (problem,) = check_patch_points()
+    assert "reads SGLang's private `sglang.srt.plugins.hook_registry.HookRegistry._patched` (a set)" in problem
+    assert "and it is gone" in problem, problem
 
 
 def test_module_prints_the_table_without_importing_sglang():

@@ -107,56 +107,89 @@ def test_register_installs_every_hook(plugin):
     assert resolution_hooks._HOOKS["handle_context_parallelism"].count(validate_then) == 1
 
 
-def test_without_the_flag_only_the_decode_side_hooks_act(plugin, monkeypatch):
-    """What sglang_ext/__init__.py says runs without the flag: the prefill-side runtime hooks hand
-    SGLang's own result back (the pool subclass: test_pool_writes.py); the decode-side hooks act on
-    any decode, which runs without the flag: the Mooncake classes, and owner-grouped pages for a
-    request whose prefill is owner-sharded."""
+def _decision(monkeypatch, attrs=None):
+    """Published ServerArgs carrying `attrs` (the decisions the start-up validation writes); None:
+    none published (a tool, a unit test: the plugin reads SGLANG_NSA_CP_SHARED_KV)."""
+    from types import SimpleNamespace
+
+    from sglang.srt import runtime_context
+
+    def get_server_args():
+        if attrs is None:
+            raise ValueError("Global server args is not set yet!")
+        return SimpleNamespace(**attrs)
+
+    monkeypatch.setattr(runtime_context, "get_server_args", get_server_args)
+
+
+def test_without_the_flag_sglang_gets_its_own_classes_and_results(plugin, monkeypatch):
+    """Installed and loaded, nothing asked (no flag on a prefill, no opt-in on a decode): SGLang's
+    own `get_kv_class` (hooked) answers SGLang's Mooncake classes, SGLang's pool name is its own
+    class and a pool it builds stays that class, and every runtime hook hands SGLang's own result
+    back; with the prefill's decision, or a decode's opt-in, the plugin's classes."""
     from types import SimpleNamespace
 
     import torch
-    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend
+    from sglang.srt.disaggregation import mooncake
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+    from sglang.srt.mem_cache import page_interleave_pool
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
 
     from sglang_nsa_cp.sglang_ext.arg_groups.kv_shard_hook import validate_kv_shard_attention_backend
     from sglang_nsa_cp.sglang_ext.disaggregation.common.conn import limit_status_frames
     from sglang_nsa_cp.sglang_ext.disaggregation.decode import allocate_grouped_by_owner
     from sglang_nsa_cp.sglang_ext.disaggregation.mooncake import conn
-    from sglang_nsa_cp.sglang_ext.disaggregation.utils import get_kv_class
     from sglang_nsa_cp.sglang_ext.layers.cp.utils import cp_gather_after_forward
+    from sglang_nsa_cp.sglang_ext.mem_cache import page_interleave_pool as plugin_pool
+    from sglang_nsa_cp.sglang_ext.mem_cache.kv_cache_configurator import adopt_sharded_dsa_pool
     from sglang_nsa_cp.sglang_ext.mem_cache.page_interleave import make_page_shard_spec
-    from sglang_nsa_cp.sglang_ext.server_args import is_enabled
+    from sglang_nsa_cp.sglang_ext.server_args import ATTR, DECODE_ATTR
 
-    monkeypatch.delenv("SGLANG_NSA_CP_SHARED_KV", raising=False)
-    assert not is_enabled()
+    kinds = (KVClassType.MANAGER, KVClassType.SENDER, KVClassType.RECEIVER)
+    sglangs_classes = [mooncake.MooncakeKVManager, mooncake.MooncakeKVSender, mooncake.MooncakeKVReceiver]
+    ours = [conn.OwnedPageKVManager, conn.OwnedPageKVSender, conn.OwnedPageKVReceiver]
+    sglang_pool = page_interleave_pool.PageInterleaveDSATokenToKVPool
+    assert sglang_pool.__module__ == "sglang.srt.mem_cache.page_interleave_pool" and sglang_pool is not plugin_pool
+    assert plugin_pool.PageInterleaveDSATokenToKVPool.__bases__ == (sglang_pool,)
+
+    def built_pool():  # what SGLang's `_build_token_to_kv_pool` hands out through the plugin's AFTER hook
+        return adopt_sharded_dsa_pool(object.__new__(sglang_pool), SimpleNamespace())
+
+    slots = torch.arange(64, 64 + 4 * 64)  # four pages in request order, from an owner-sharded CP 2 prefill
+    info = SimpleNamespace(enable_kv_cache_sharding=True, attn_cp_size=2)
+    req = object()
+    queue = SimpleNamespace(queue=[SimpleNamespace(req=req, kv_receiver=SimpleNamespace(prefill_info=info))])
+
+    def decode_pages():
+        return allocate_grouped_by_owner(lambda self, allocator, **kw: slots, queue, SimpleNamespace(page_size=64),
+                                         req=req)  # fmt: skip
+
     sglangs = object()  # what SGLang's original returns
 
     def original(*args, **kwargs):
         return sglangs
 
-    # prefill side: SGLang's result
-    assert validate_kv_shard_attention_backend(original, SimpleNamespace()) is sglangs
-    assert make_page_shard_spec(original, SimpleNamespace(is_draft_worker=False)) is sglangs
-    assert cp_gather_after_forward(original, torch.zeros(3, 4), SimpleNamespace()) is sglangs
-    assert limit_status_frames(original, SimpleNamespace(), 0) is sglangs
-    assert get_kv_class(original, TransferBackend.NIXL, KVClassType.MANAGER) is sglangs
-    # decode side: active
-    assert get_kv_class(original, TransferBackend.MOONCAKE, KVClassType.MANAGER) is conn.OwnedPageKVManager
-    assert get_kv_class(original, TransferBackend.MOONCAKE, KVClassType.RECEIVER) is conn.OwnedPageKVReceiver
-    slots = torch.arange(64, 64 + 4 * 64)  # four pages in request order
-
-    def decode_queue(sharded: bool):
-        info = SimpleNamespace(enable_kv_cache_sharding=sharded, attn_cp_size=2)
-        req = object()
-        queue = SimpleNamespace(queue=[SimpleNamespace(req=req, kv_receiver=SimpleNamespace(prefill_info=info))])
-        return queue, req
-
-    allocator = SimpleNamespace(page_size=64)
-    queue, req = decode_queue(sharded=False)
-    got = allocate_grouped_by_owner(lambda self, allocator, **kw: slots, queue, allocator, req=req)
-    assert torch.equal(got, slots), "a prefill that is not owner-sharded keeps request order"
-    queue, req = decode_queue(sharded=True)
-    got = allocate_grouped_by_owner(lambda self, allocator, **kw: slots, queue, allocator, req=req)
-    assert not torch.equal(got, slots) and torch.equal(got.sort().values, slots), "re-dealt by owner"
+    monkeypatch.delenv("SGLANG_NSA_CP_SHARED_KV", raising=False)
+    for attrs in (None, {ATTR: False, DECODE_ATTR: False}):  # nothing published (a tool), or a server
+        _decision(monkeypatch, attrs)
+        assert [get_kv_class(TransferBackend.MOONCAKE, k) for k in kinds] == sglangs_classes, attrs
+        assert type(built_pool()) is sglang_pool, attrs
+        assert torch.equal(decode_pages(), slots), f"{attrs}: a decode that did not opt in keeps request order"
+        assert validate_kv_shard_attention_backend(original, SimpleNamespace()) is sglangs
+        assert make_page_shard_spec(original, SimpleNamespace(is_draft_worker=False)) is sglangs
+        assert cp_gather_after_forward(original, torch.zeros(3, 4), SimpleNamespace()) is sglangs
+        assert limit_status_frames(original, SimpleNamespace(), 0) is sglangs
+    assert KVCacheConfigurator._build_token_to_kv_pool.__wrapped__  # the hook is on SGLang's builder
+    for attrs, pool_class in (({ATTR: True}, plugin_pool.PageInterleaveDSATokenToKVPool),
+                              ({DECODE_ATTR: True}, sglang_pool)):  # fmt: skip
+        _decision(monkeypatch, attrs)
+        assert [get_kv_class(TransferBackend.MOONCAKE, k) for k in kinds] == ours, attrs
+        assert get_kv_class(TransferBackend.NIXL, KVClassType.MANAGER) is not conn.OwnedPageKVManager
+        assert type(built_pool()) is pool_class, attrs
+    got = decode_pages()  # the opted-in decode re-deals an owner-sharded prefill's pages by owner
+    assert not torch.equal(got, slots) and torch.equal(got.sort().values, slots)
+    info.enable_kv_cache_sharding = False  # a replicated CP prefill: SGLang's order
+    assert torch.equal(decode_pages(), slots)
 
 
 def test_launch_server_help_lists_the_flag():
@@ -254,6 +287,80 @@ def test_env_var_enables_it_for_engine_users(plugin, models, sm90, monkeypatch):
 
     with pytest.raises(SharedKVConfigError, match="runs only on a PD prefill instance"):
         ServerArgs(**dict(kwargs, disaggregation_mode="null")).resolve_once()
+
+
+def test_the_flag_on_a_decode_is_its_opt_in(plugin, models, sm90, monkeypatch):
+    """The same flag on a PD decode resolves as the decode's opt-in (the decision the plugin's
+    Mooncake classes and decode hook read), with none of the prefill's CP checks and without
+    SGLang's KV sharding; refused, naming the fix, over another transfer backend or with
+    Mooncake's ports not confined. Without the flag a decode resolves as SGLang's."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    from sglang_nsa_cp.sglang_ext.arg_groups.parallel_hook import SharedKVConfigError
+    from sglang_nsa_cp.sglang_ext.server_args import ATTR, DECODE_ATTR
+
+    decode = ["--model-path", models["v32"], "--disaggregation-mode", "decode", "--device", "cuda"]
+    server_args = _resolve(decode + [FLAG])
+    assert getattr(server_args, DECODE_ATTR) is True and not getattr(server_args, ATTR, False)
+    assert getattr(pickle.loads(pickle.dumps(server_args)), DECODE_ATTR) is True  # reaches the schedulers
+    assert not resolving_view(server_args).enable_kv_cache_sharding
+    assert not getattr(_resolve(decode), DECODE_ATTR, False)
+    with pytest.raises(SharedKVConfigError, match="takes owned pages over Mooncake only"):
+        _resolve(decode + ["--disaggregation-transfer-backend", "nixl", FLAG])
+    monkeypatch.delenv("SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED")
+    with pytest.raises(SharedKVConfigError, match="then set SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED=1"):
+        _resolve(decode + [FLAG])
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_the_flag_needs_the_pd_secret_unless_the_network_is_declared_trusted(plugin, models, sm90, monkeypatch, role):
+    """Issue 47: without SGLANG_NSA_CP_PD_SECRET forged statuses committed rooms early. The flag now
+    refuses to start without it, on both roles, naming both fixes, unless the operator declares the
+    PD network trusted; a secret too short is refused at start-up too (it was only at the KV-manager
+    build, after the weights)."""
+    from sglang_nsa_cp.sglang_ext.arg_groups.parallel_hook import SharedKVConfigError
+    from sglang_nsa_cp.sglang_ext.server_args import ATTR, DECODE_ATTR
+
+    argv = _argv(models["v32"]) if role == "prefill" else [
+        "--model-path", models["v32"], "--disaggregation-mode", "decode", "--device", "cuda", FLAG]  # fmt: skip
+    decision = ATTR if role == "prefill" else DECODE_ATTR
+    monkeypatch.delenv("SGLANG_NSA_CP_PD_SECRET")
+    with pytest.raises(SharedKVConfigError) as err:
+        _resolve(argv)
+    assert "1 problem(s)" in str(err.value), str(err.value)
+    assert "needs SGLANG_NSA_CP_PD_SECRET" in str(err.value) and "or set SGLANG_NSA_CP_PD_NETWORK_TRUSTED=1" in str(
+        err.value
+    ), str(err.value)
+    assert not getattr(_resolve(argv[:-1]), decision, False)  # without the flag: SGLang's, nothing asked
+    monkeypatch.setenv("SGLANG_NSA_CP_PD_NETWORK_TRUSTED", "1")
+    assert getattr(_resolve(argv), decision) is True
+    monkeypatch.setenv("SGLANG_NSA_CP_PD_SECRET", "short")
+    with pytest.raises(SharedKVConfigError, match="SGLANG_NSA_CP_PD_SECRET is 5 bytes long; it must be at least 16"):
+        _resolve(argv)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+@pytest.mark.parametrize(
+    "name,value,message",
+    [
+        ("SGLANG_NSA_CP_SCRATCH_CONTEXTS", " 2", "has spaces around its value"),
+        ("SGLANG_NSA_CP_SCRATCH_CONTEXTS", "0", "must be at least 1"),
+        ("SGLANG_NSA_CP_KERNELS", "cuda", "expected one of ('auto', 'triton', 'torch')"),
+        ("SGLANG_NSA_CP_PD_NETWORK_TRUSTED", "maybe", "is not a boolean"),
+    ],
+)
+def test_a_bad_variable_refuses_the_flag_at_start_up(plugin, models, sm90, monkeypatch, role, name, value, message):
+    """Issue 47: these passed the start-up check and were refused only after the weights loaded
+    (pool sizing, the first fp8 request); a decode had no start-up check. Now every SGLANG_NSA_CP_*
+    variable is parsed during argument resolution, on both roles."""
+    from sglang_nsa_cp.sglang_ext.arg_groups.parallel_hook import SharedKVConfigError
+
+    argv = _argv(models["v32"]) if role == "prefill" else [
+        "--model-path", models["v32"], "--disaggregation-mode", "decode", "--device", "cuda", FLAG]  # fmt: skip
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SharedKVConfigError) as err:
+        _resolve(argv)
+    assert name in str(err.value) and message in str(err.value), str(err.value)
 
 
 # SGLang's KV sharding checks the draft's top-k before it fills in the defaults: name them
@@ -410,6 +517,7 @@ def test_page_size_other_than_64_is_refused(plugin, monkeypatch):
         enable_session_radix_cache=False, cuda_graph_config=SimpleNamespace(prefill=SimpleNamespace(backend="disabled")),
     )  # fmt: skip
     monkeypatch.setenv("SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED", "1")
+    monkeypatch.setenv("SGLANG_NSA_CP_PD_NETWORK_TRUSTED", "1")
     with (
         mock.patch.object(parallel_hook, "resolving_view", lambda sa: view),
         mock.patch.object(parallel_hook, "_model_problems", lambda sa: []),

@@ -131,15 +131,23 @@ def test_servers_start_with_the_plugin_and_report_n_times_the_capacity(cluster):
     assert not S.scratch_logs(cluster.servers["replicated"], 0)
 
 
-def test_without_the_pd_secret_the_shared_prefill_and_the_decode_each_say_so_once(cluster):
-    """No SGLANG_NSA_CP_PD_SECRET here: each scheduler of the shared prefill (CP ranks) and the
-    decode's says at start-up, in one line, what runs unprotected and the setting that closes it;
-    the replicated prefill (no flag) does not."""
-    line = r"owned-page PD transfer runs unprotected: SGLANG_NSA_CP_PD_SECRET is unset, .*; set it"
-    counts = {
-        name: len(_log_lines_since(cluster.servers[name], 0, line)) for name in ("shared", "decode", "replicated")
-    }
-    assert counts == {"shared": S.CP, "decode": 1, "replicated": 0}, counts
+SGLANG_MANAGER = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager"
+PLUGIN_MANAGER = "sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn.OwnedPageKVManager"
+
+
+def test_only_the_servers_that_ask_run_the_plugins_classes(cluster):
+    """The plugin is installed in every server; only those started with the flag run its classes
+    (as the test-only stand-in plugin reports what SGLang built): the shared prefill's CP ranks
+    the plugin's Mooncake manager and pool subclass, the decode (the flag: its opt-in) the plugin's
+    manager over SGLang's pool; the replicated prefill, asked nothing, SGLang's own classes. The PD
+    secret is set on every server (the flag needs it), so nothing says it runs unprotected."""
+    built = {name: S.classes_built(cluster.servers[name]) for name in ("shared", "replicated", "decode")}
+    assert built["shared"] == {(PLUGIN_MANAGER, "sglang_nsa_cp.sglang_ext.mem_cache.page_interleave_pool."
+                                                "PageInterleaveDSATokenToKVPool")}, built  # fmt: skip
+    assert built["replicated"] == {(SGLANG_MANAGER, "sglang.srt.mem_cache.memory_pool.DSATokenToKVPool")}, built
+    assert built["decode"] == {(PLUGIN_MANAGER, "sglang.srt.mem_cache.memory_pool.DSATokenToKVPool")}, built
+    line = r"owned-page PD transfer runs unprotected"
+    assert not any(_log_lines_since(cluster.servers[n], 0, line) for n in ("shared", "decode", "replicated"))
 
 
 def test_every_listener_is_on_the_servers_interface_but_mooncakes(cluster):

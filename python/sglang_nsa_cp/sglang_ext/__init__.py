@@ -6,21 +6,19 @@ sglang_nsa_cp.sglang_ext:register` in every process it starts (`load_plugins()` 
 `ledger.LEDGER`, in its fixed order (HookRegistry targets and server-argument resolution steps);
 SGLang's `load_plugins()` then applies them. Importing this package does nothing.
 
-Without the flag (the resolved decision, `server_args.is_enabled()`), what still acts:
-- the flag's declaration on SGLang's parser, and the resolution steps, which return to SGLang's
-  at once when the flag was not asked for;
-- the pool REPLACE: SGLang's `--enable-kv-cache-sharding` builds the plugin's subclass, whose
-  overrides then call SGLang's methods only (test_pool_writes.py: the same pool and scratch bytes);
-- the decode side, by design, since a decode instance runs without the flag: SGLang builds the
-  plugin's Mooncake manager, sender and receiver (they act only on rooms whose statuses carry
-  manifests, which only a prefill with the flag sends), a decode manager's status socket gets a
-  frame limit, and a request whose prefill advertises owner-sharded pages at CP > 1 (the flag's,
-  or SGLang's own sharding) gets its decode pages grouped by owner.
-Every other runtime hook hands back SGLang's own result (test_sglang_ext.py,
-`test_without_the_flag_only_the_decode_side_hooks_act`).
+Without the flag (the resolved decision: `server_args.is_enabled()` on a prefill,
+`server_args.decode_opted_in()` on a decode, where the same flag is the decode's opt-in), SGLang
+runs its own classes and results everywhere: the flag is declared on SGLang's parser and the
+resolution steps return to SGLang's at once; `get_kv_class` answers SGLang's Mooncake classes, the
+pool SGLang builds stays SGLang's class (SGLang's own `--enable-kv-cache-sharding` included), and
+every other hook hands SGLang's own result back (test_sglang_ext.py,
+`test_without_the_flag_sglang_gets_its_own_classes_and_results`). A shared-KV prefill refuses a
+decode that has not opted in (its rooms fail, naming the flag); an opted-in decode serves a
+replicated or non-CP prefill as SGLang does.
 
 The patch ledger (`ledger.py`) holds each target with its kind, hook, why, the upstream change
-that would remove it and its signature fingerprint, and fails closed at start-up with the flag.
+that would remove it and its fingerprint (signature and body), and fails closed at start-up
+with the flag, on both roles and in every scheduler.
 Each hook's module mirrors the SGLang file it hooks and says how the hook works.
 
 What the flag runs is SGLang's own KV sharding (`--enable-kv-cache-sharding`: its page-interleaved
@@ -64,8 +62,6 @@ def register() -> None:
             if point.kind == "RESOLUTION":
                 register_resolution_hook(point.step)(hook)
             else:
-                if point.kind == "REPLACE":
-                    ledger.capture_sglang_class(point)  # SGLang's class, before apply_hooks() replaces it
                 HookRegistry.register(point.target, hook, HookType[point.kind])
         except (ValueError, TypeError) as err:
             # SGLang refused it (e.g. a step no longer overridable). Keep registering the rest, so that

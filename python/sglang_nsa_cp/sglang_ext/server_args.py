@@ -11,7 +11,9 @@ add a field. Underscore attributes are bookkeeping: ServerArgs allows them at an
 `ServerArgs.__reduce__` pickles them, so the value reaches every scheduler process. `Engine(**kw)`
 builds ServerArgs without a parser, hence the env var `SGLANG_NSA_CP_SHARED_KV=1`. The request
 (flag or env var) is validated during resolution (`arg_groups/parallel_hook.py`), which then
-writes the decision `_nsa_cp_shared_kv = True`; the runtime hooks read only that decision.
+writes the decision `_nsa_cp_shared_kv = True` on a prefill, `_nsa_cp_shared_kv_decode = True` on a decode (the same
+flag there is the decode's opt-in: it serves shared-KV prefills); the runtime hooks read only those
+decisions, so without the flag every hook hands SGLang its own classes and results.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from sglang_nsa_cp.envs import envs
 
 FLAG = "--enable-nsa-prefill-cp-shared-kv"
 REQUEST_ATTR = "_nsa_cp_shared_kv_requested"  # what the operator asked for (CLI)
-ATTR = "_nsa_cp_shared_kv"  # the validated decision the runtime reads
+ATTR = "_nsa_cp_shared_kv"  # the validated decision the runtime reads (a PD prefill)
+DECODE_ATTR = "_nsa_cp_shared_kv_decode"  # the validated decision of a PD decode (its opt-in)
 _DEST = "enable_nsa_prefill_cp_shared_kv"
 
 HELP = (
@@ -33,6 +36,8 @@ HELP = (
     "ahead. Needs a DSA model "
     "(DeepSeek-V3.2, GLM-5), --enable-prefill-cp --cp-strategy interleave --attn-cp-size N>1 "
     "and --disaggregation-mode prefill with --disaggregation-transfer-backend mooncake. "
+    "On a --disaggregation-mode decode instance the same flag is its opt-in to serve such prefills "
+    "(a shared-KV prefill refuses a decode without it); it still serves every other prefill as SGLang does. "
     "Provided by the sglang-nsa-cp plugin; SGLANG_NSA_CP_SHARED_KV=1 is the same for "
     "sglang.Engine users."
 )
@@ -73,13 +78,29 @@ def requested(server_args) -> bool:
     return bool(getattr(server_args, REQUEST_ATTR, False)) or envs.SGLANG_NSA_CP_SHARED_KV.get()
 
 
-def is_enabled() -> bool:
-    """Whether this process runs with shared KV (the resolved decision on the published
-    ServerArgs). Processes without published ServerArgs (unit tests, tools) read the env var."""
+def _decision(attr: str) -> bool:
     from sglang.srt.runtime_context import get_server_args
 
     try:
         server_args = get_server_args()
     except ValueError:  # "Global server args is not set yet!"
         return envs.SGLANG_NSA_CP_SHARED_KV.get()
-    return bool(getattr(server_args, ATTR, False))
+    return bool(getattr(server_args, attr, False))
+
+
+def is_enabled() -> bool:
+    """Whether this process is a shared-KV prefill (the resolved decision on the published
+    ServerArgs). Processes without published ServerArgs (unit tests, tools) read the env var."""
+    return _decision(ATTR)
+
+
+def decode_opted_in() -> bool:
+    """Whether this process is a PD decode that opted in to shared-KV prefills (the flag on the
+    decode, resolved); without published ServerArgs, the env var."""
+    return _decision(DECODE_ATTR)
+
+
+def acts() -> bool:
+    """Whether the plugin acts in this process at all (a shared-KV prefill or an opted-in decode);
+    else every hook hands SGLang its own classes and results."""
+    return is_enabled() or decode_opted_in()

@@ -111,13 +111,18 @@ def _allocator(num_pages):
     return PagedTokenToKVPoolAllocator(num_pages * PAGE, PAGE, torch.int64, "cpu", kvcache=None, need_sort=True)
 
 
-def _plugin_hooks_applied():
+@pytest.fixture
+def opted_in(monkeypatch):
+    """The plugin's hooks applied, in a decode that opted in (the flag's decision published)."""
+    from sglang.srt import runtime_context
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     from sglang_nsa_cp.sglang_ext import register
+    from sglang_nsa_cp.sglang_ext.server_args import DECODE_ATTR
 
     register()
     HookRegistry.apply_hooks()
+    monkeypatch.setattr(runtime_context, "get_server_args", lambda: SimpleNamespace(**{DECODE_ATTR: True}))
 
 
 def _queue(req, cp_size, sharded=True):
@@ -147,8 +152,7 @@ def _pages_of(kv_loc):
 
 
 @pytest.mark.parametrize("cp_size", [2, 4, 8])
-def test_decode_hook_on_sglang_allocator_fragmented_free_lists(cp_size):
-    _plugin_hooks_applied()
+def test_decode_hook_on_sglang_allocator_fragmented_free_lists(cp_size, opted_in):
     rng = np.random.default_rng(cp_size)
     for trial in range(6):
         allocator = _allocator(400)
@@ -182,8 +186,7 @@ def test_decode_hook_on_sglang_allocator_fragmented_free_lists(cp_size):
             assert int(nxt) // PAGE not in set(dst.tolist())
 
 
-def test_decode_hook_leaves_other_requests_in_request_order():
-    _plugin_hooks_applied()
+def test_decode_hook_leaves_other_requests_in_request_order(opted_in):
     for cp_size, sharded in ((4, False), (1, True)):  # a stock prefill (no sharding); CP 1
         allocator = _allocator(64)
         req = SimpleNamespace(kv=SimpleNamespace())

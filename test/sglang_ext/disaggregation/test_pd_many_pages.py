@@ -15,8 +15,9 @@ it admits, so the prefill's threads send their chunks concurrently):
   owner-rotating allocator, sent in chunks of 256 pages, decode pages dealt out grouped by owner
   as the plugin's decode hook deals them (`owner_grouped_pages`). Each rank writes one run per
   chunk: a batch is 2 entries (the layers) per chunk, 2 more for the index-K at the last chunk.
-- `in_order`, stock SGLang (plugin not loaded): one room of 3072 pages (196608 tokens) in chunks
-  of 256, decode pages in request order, as a stock decode allocates them. A rank's positions are
+- `in_order`, with the plugin: one room of 3072 pages (196608 tokens) in chunks of 256, decode
+  pages in request order (as SGLang's decode allocator hands them out; a stock decode is refused
+  by a shared-KV prefill, test_sglang_ext_pd.py). A rank's positions are
   every other page there, so each owned page is its own entry per layer: 256 entries per chunk,
   and at the last chunk the request's whole index-K, 1536 owned pages x 2 layers = 3072 entries
   in one batch.
@@ -101,7 +102,7 @@ def _concurrent_decode(name, plugin, bootstrap_port, requests, decode_pages) -> 
     pd.env(waiting_timeout=WAITING_TIMEOUT_S)
     if plugin:
         pd.load_plugin()
-    server_args = pd.publish("decode", 1, 0, bootstrap_port)
+    server_args = pd.publish("decode", 1, 0, bootstrap_port, opted_in=plugin)
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.decode import DecodePreallocQueue
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
@@ -220,7 +221,7 @@ def _traffic(grouped_rooms=GROUPED_ROOMS):
         grouped.append(pd.request(700 + i, pages, dst.tolist(), chunks=_chunks(GROUPED_PAGES)))
         first += GROUPED_PAGES + GAP
     in_order = pd.request(800, in_order_pages, range(1, 1 + IN_ORDER_PAGES), chunks=_chunks(IN_ORDER_PAGES))
-    return {"grouped": (True, grouped), "in_order": (False, [in_order])}, prefill_pages
+    return {"grouped": (True, grouped), "in_order": (True, [in_order])}, prefill_pages
 
 
 def _chunks(pages):

@@ -19,8 +19,9 @@ on 127.0.0.1, the way a prefill CP rank and a decode scheduler run them:
   the DSA state pages on the last chunk, `poll`). Rank 0 also runs SGLang's bootstrap server.
 - decode: a stock `DSATokenToKVPool` (no CP), the manager built by
   `DecodePreallocQueue._init_kv_manager`, and per request a `MooncakeKVReceiver`
-  (`try_ensure_parallel_info`, `init`, `send_metadata` with its destination pages, `poll`). One
-  decode loads the plugin (no flag), one is stock SGLang (plugin not loaded).
+  (`try_ensure_parallel_info`, `init`, `send_metadata` with its destination pages, `poll`). A
+  decode loads the plugin and opts in (the flag's decision on the decode); one is stock SGLang
+  (plugin not loaded), which the shared-KV prefill refuses.
 - with an EAGLE MTP draft: a draft pool on each side (the prefill's built as SGLang's
   `_build_mtp_kv_shard_pool` builds it: its own buffers with the target's size, shard spec and
   group; the decode's stock), registered through the same `_init_kv_manager` calls as SGLang's
@@ -35,8 +36,8 @@ of their positions and nothing else in the decode pool changed; each rank writes
 pages (bytes = owned pages x page bytes + the request's metadata), the allocator's request in one
 run per rank; a rank that never sends, a page a rank drops (caught by the rank's self-check, or
 with that bypassed by the decode's manifest check) fail the request with a reason naming the
-problem, and the next request commits. Every process has SGLANG_NSA_CP_PD_SECRET, so manifests are keyed (the stock decode
-ignores them). With fp8 KV (656-byte FlashMLA rows written by the pools' own
+problem, and the next request commits; a stock decode's rooms fail at the prefill before a page
+is sent, naming the flag it needs. Every process has SGLANG_NSA_CP_PD_SECRET, so manifests are keyed. With fp8 KV (656-byte FlashMLA rows written by the pools' own
 `set_mla_kv_buffer`), the decode's pages equal a replicated prefill's (SGLang's own fp8 pool),
 byte for byte. A rank whose write comes after the decode gave up on the room: SGLang's deferred
 release (the drain ack) makes the pages safe to reuse only after that write landed (issue 17).
@@ -54,7 +55,6 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import sys  # noqa: E402
-import logging  # noqa: E402
 import time  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
@@ -123,11 +123,13 @@ def test_four_ranks_send_owned_pages_and_faults_fail_cleanly():
     PD.check_committed(reports, "plugin", last, n, info)
 
 
-def test_two_ranks_serve_a_plugin_decode_and_a_stock_decode():
-    """N = 2, one prefill group serving two decodes: one with the plugin, one stock SGLang 0.5.23.
-    The stock decode pulls from both CP ranks (the advertised sharding) and commits correct pages;
-    a dropped page fails its request with the rank's reason (the status message's reason frame),
-    a silent rank with SGLang's timeout; the next request commits."""
+def test_two_ranks_serve_a_plugin_decode_and_refuse_a_stock_decode():
+    """N = 2, one prefill group serving two decodes at once: one with the plugin and the flag's
+    opt-in, one stock SGLang 0.5.23 (what a decode without the flag runs). Every room of the stock
+    decode fails at the prefill ranks before a page is sent, with a reason naming the flag that
+    decode needs, which reaches it in SGLang's reason frame; the plugin decode's rooms commit
+    meanwhile, a one-page request (a rank owning none of it) included, and a rank writing after the
+    plugin decode gave up on a room is drained before the release."""
     n = 2
     p_dst, s_dst = iter(range(1, PD.DECODE_PAGES)), iter(range(1, PD.DECODE_PAGES))
     p_reqs = [
@@ -139,11 +141,9 @@ def test_two_ranks_serve_a_plugin_decode_and_a_stock_decode():
     ]
     s_reqs = [
         PD.request(300, [3, 9, 4, 17, 30, 11, 2], [next(s_dst) for _ in range(7)], chunks=[3, 4]),
-        PD.request(301, list(range(24, 32)), [next(s_dst) for _ in range(8)], chunks=[8]),
-        PD.request(302, list(range(40, 46)), [next(s_dst) for _ in range(6)], silent=[1]),
         PD.request(303, [5, 6, 7, 8, 9], [next(s_dst) for _ in range(5)]),
     ]
-    faults = {("drop", 1): {301}, ("slow", 1): {202: 2.5}}
+    faults = {("slow", 1): {202: 2.5}}
     reports = PD.run(n, {"plugin": (True, p_reqs), "stock": (False, s_reqs)}, p_reqs + s_reqs, faults)
     info = reports["ready"][0]
     # Finding: a slow rank's write landed after its room was given up and its pages reused. Here
@@ -155,10 +155,12 @@ def test_two_ranks_serve_a_plugin_decode_and_a_stock_decode():
         assert reports["ready"][name] == {"target_cp_ranks": [0, 1], "required": 2}
     PD.check_committed(reports, "plugin", p_reqs[0], n, info)
     PD.check_committed(reports, "plugin", p_reqs[1], n, info)
-    PD.check_committed(reports, "stock", s_reqs[0], n, info)
-    PD.check_failed(reports, "stock", 301, "CP rank 1 of 2: owned KV pages not sent at positions [1]")
-    PD.check_failed(reports, "stock", 302, "timed out")
-    PD.check_committed(reports, "stock", s_reqs[3], n, info)
+    for req in s_reqs:
+        PD.check_failed(reports, "stock", req["room"], "has not opted in to shared-KV prefills",
+                        "start that decode with --enable-nsa-prefill-cp-shared-kv")  # fmt: skip
+        assert reports["room"][("stock", req["room"])]["written"] == [], "a refused room's pages were written"
+        for rank in range(n):
+            assert reports["room"][(rank, req["room"])]["status"] == "Failed", (rank, req["room"])
 
 
 # ---- the bookkeeping and the hooks' pass-through, in process ---------------------------------------------
@@ -166,7 +168,7 @@ def test_mtp_draft_pages_ride_the_owned_page_transfer():
     """EAGLE (docs/speculative.md): the MTP layer's sharded pool (the target's size, spec and
     shard group, as SGLang's `_build_mtp_kv_shard_pool` builds it) registered as SGLang's draft KV
     pool on the prefill ranks, a stock `DSATokenToKVPool` draft pool on each decode. N = 2,
-    a plugin decode and a stock decode: the draft's latent and index-K pages land at the decode's
+    two plugin decodes: the draft's latent and index-K pages land at the decode's
     draft pages of their positions next to the target's, each rank sending the draft pages it owns
     (bytes = owned pages x (target + draft) page bytes); a page a rank drops fails the request with
     the rank's reason (the draft's entries share the target's page list: a lost position is lost for
@@ -183,21 +185,21 @@ def test_mtp_draft_pages_ride_the_owned_page_transfer():
         PD.request(502, [40, 41, 42], [next(s_dst) for _ in range(3)]),
     ]
     faults = {("drop", 0): {501}}
-    reports = PD.run(n, {"plugin": (True, p_reqs), "stock": (False, s_reqs)}, p_reqs + s_reqs, faults, draft=True)
+    reports = PD.run(n, {"plugin": (True, p_reqs), "second": (True, s_reqs)}, p_reqs + s_reqs, faults, draft=True)
     info = reports["ready"][0]
     # SGLang appends the draft's buffers after the target's: one more latent and one more index-K entry
     assert info["kv_item_lens"] == [PD.KV_PAGE_BYTES] * (PD.LAYERS + 1), info
     assert info["state_item_lens"][0] == [PD.INDEX_PAGE_BYTES] * (PD.LAYERS + 1), info
     for req in p_reqs:
         PD.check_committed(reports, "plugin", req, n, info)
-    PD.check_committed(reports, "stock", s_reqs[0], n, info)
+    PD.check_committed(reports, "second", s_reqs[0], n, info)
     lost = PD.owned(s_reqs[1]["pages"], 0, n)[0]
-    PD.check_failed(reports, "stock", 501, f"CP rank 0 of 2: owned KV pages not sent at positions [{lost}]")
-    PD.check_committed(reports, "stock", s_reqs[2], n, info)
+    PD.check_failed(reports, "second", 501, f"CP rank 0 of 2: owned KV pages not sent at positions [{lost}]")
+    PD.check_committed(reports, "second", s_reqs[2], n, info)
 
 
 def test_fp8_pages_reach_the_decode_byte_equal_to_a_replicated_prefill():
-    """--kv-cache-dtype fp8_e4m3, N = 2, a plugin decode and a stock one: each prefill rank's shard
+    """--kv-cache-dtype fp8_e4m3, N = 2, two plugin decodes: each prefill rank's shard
     holds the 656-byte FlashMLA rows its pool quantized on write (SGLang's quantizer, owned rows
     only); the decode pages of every position are byte-equal to what SGLang's own fp8 pool of a
     replicated prefill holds for the same latent, and each rank sends only its owned fp8 pages."""
@@ -205,11 +207,11 @@ def test_fp8_pages_reach_the_decode_byte_equal_to_a_replicated_prefill():
     pages = [3, 9, 4, 13, 6, 2, 11]  # logical pages >= N: 0..N-1 are SGLang's padding pages
     p_req = PD.request(400, pages, list(range(1, 8)), chunks=[3, 4])
     s_req = PD.request(500, pages[::-1], list(range(20, 27)))
-    reports = PD.run(n, {"plugin": (True, [p_req]), "stock": (False, [s_req])}, [p_req, s_req], {}, kv="fp8_e4m3")
+    reports = PD.run(n, {"plugin": (True, [p_req]), "second": (True, [s_req])}, [p_req, s_req], {}, kv="fp8_e4m3")
     info = reports["ready"][0]
     assert info["kv_item_lens"] == [PD.KV_FORMATS["fp8_e4m3"][2]] * PD.LAYERS, info
     PD.check_committed(reports, "plugin", p_req, n, info)
-    PD.check_committed(reports, "stock", s_req, n, info)
+    PD.check_committed(reports, "second", s_req, n, info)
 
 
 def _ledger_with(queued, index=True):
@@ -351,11 +353,13 @@ def test_hostile_manifest_frames_never_raise_in_the_decode_thread():
         assert time.monotonic() - start < 0.1 and len(str(err.value)) <= 300, (name, str(err.value)[:200])
 
 
-def test_without_the_flag_the_prefill_manager_is_sglangs(monkeypatch):
-    """SGLang builds the plugin's Mooncake classes (`get_kv_class`); without the flag a prefill
-    manager keeps no ledger and concludes as SGLang concludes; a decode manager is built with its
-    status-frame limit in force and the PD secret (none here)."""
+def test_the_plugin_managers_frame_limit_and_wire_format(monkeypatch):
+    """The plugin's Mooncake classes, as SGLang gets them on an opted-in decode (the decision
+    published): a prefill manager that is not a shared-KV prefill keeps no ledger and concludes as
+    SGLang concludes; the 4th status frame (the reason) is this class's, never SGLang's manager's;
+    a decode manager is built with its status-frame limit in force and the PD secret (none here)."""
     PD.load_plugin()
+    from sglang.srt import runtime_context
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
     from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend, get_kv_class
@@ -363,49 +367,28 @@ def test_without_the_flag_the_prefill_manager_is_sglangs(monkeypatch):
     import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as frames
     import sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn as conn
     from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import MAX_USES, max_manifest_bytes
+    from sglang_nsa_cp.sglang_ext.server_args import DECODE_ATTR
 
+    monkeypatch.setattr(runtime_context, "get_server_args", lambda: SimpleNamespace(**{DECODE_ATTR: True}))
     assert [get_kv_class(TransferBackend.MOONCAKE, t) for t in (KVClassType.MANAGER, KVClassType.SENDER,
             KVClassType.RECEIVER)] == [conn.OwnedPageKVManager, conn.OwnedPageKVSender, conn.OwnedPageKVReceiver]  # fmt: skip
+    assert (
+        MooncakeKVManager.kv_status_msg_carries_reason is False and conn.OwnedPageKVManager.kv_status_msg_carries_reason
+    )
     calls = []
     monkeypatch.setattr(
         MooncakeKVManager, "__init__", lambda self, *a: calls.append(getattr(frames._STATUS_FRAME_LIMIT, "bytes", None))
     )
     monkeypatch.setattr(MooncakeKVManager, "conclude_transfer", lambda self, **k: calls.append(k))
-    monkeypatch.setattr(conn, "is_enabled", lambda: False)
     monkeypatch.delenv("SGLANG_NSA_CP_PD_SECRET", raising=False)
     kv_args = SimpleNamespace(kv_data_lens=[64 * 1024], kv_item_lens=[1024])
     mgr = conn.OwnedPageKVManager(kv_args, DisaggregationMode.PREFILL, "server_args")
-    assert mgr.owned_pages_ledger is None and "kv_status_msg_carries_reason" not in vars(mgr) and calls == [None]
+    assert mgr.owned_pages_ledger is None and calls == [None]
     mgr.conclude_transfer(bootstrap_room=7, status=KVPoll.Success)
     assert calls[-1] == {"bootstrap_room": 7, "status": KVPoll.Success} and not mgr.outgoing_manifests
     decode = conn.OwnedPageKVManager(kv_args, DisaggregationMode.DECODE, "server_args")
     assert decode.pd_secret is None and calls[-1] == (1 << 20) + max_manifest_bytes(64, MAX_USES)
     assert getattr(frames._STATUS_FRAME_LIMIT, "bytes", None) is None
-
-
-def test_a_plugin_decode_with_mooncake_unconfined_says_so_once(monkeypatch, caplog):
-    """Finding 9: a decode with the plugin (no flag, so none of the flag's start-up refusals)
-    started with Mooncake's ports open on every interface and said nothing. It now says so once
-    per process, naming the variable that records they are confined; with it set, nothing."""
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-
-    import sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn as conn
-
-    monkeypatch.setattr(MooncakeKVManager, "__init__", lambda self, *a: None)
-    monkeypatch.setattr(conn, "_warned_unprotected", set())
-    monkeypatch.setenv("SGLANG_NSA_CP_PD_SECRET", PD.SECRET.decode())
-    kv_args = SimpleNamespace(kv_data_lens=[64 * 1024], kv_item_lens=[1024])
-    with caplog.at_level(logging.WARNING, logger=conn.logger.name):
-        monkeypatch.setenv("SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED", "1")
-        conn.OwnedPageKVManager(kv_args, DisaggregationMode.DECODE, "server_args")
-        assert not caplog.records, [r.getMessage() for r in caplog.records]
-        monkeypatch.delenv("SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED")
-        for _ in range(2):
-            conn.OwnedPageKVManager(kv_args, DisaggregationMode.DECODE, "server_args")
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "Mooncake opens its handshake/RPC listener" in lines[0], lines
-    assert "then set SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED=1" in lines[0], lines
 
 
 def test_status_socket_refuses_frames_past_its_limit():
@@ -430,6 +413,33 @@ def test_status_socket_refuses_frames_past_its_limit():
     small.send(b"status")
     assert pull.poll(2000) and pull.recv() == b"status"
     for sock in (push, small, pull, unlimited):
+        sock.close(linger=0)
+    ctx.term()
+
+
+def test_the_frame_limit_is_on_the_status_socket_alone():
+    """Issue 47: the limit was set on SGLang's shared ZMQ context while the status socket was made,
+    so a socket another thread made from that context in the window inherited it. Now it is set
+    on the one socket: a socket made from the same context meanwhile (here: inside SGLang's call)
+    and the context's defaults keep SGLang's options."""
+    import zmq
+    from sglang.srt.utils.network import get_zmq_socket_on_host
+
+    import sglang_nsa_cp.sglang_ext.disaggregation.common.conn as hooks
+
+    ctx = zmq.Context()
+    meanwhile = []
+
+    def sglangs_call(context, socket_type, **kwargs):
+        meanwhile.append(ctx.socket(zmq.PUSH))  # another thread's socket, made in the window
+        return get_zmq_socket_on_host(context, socket_type, **kwargs)
+
+    with hooks.limited_status_frames(4096):
+        _, pull = hooks.limit_status_frames(sglangs_call, ctx, zmq.PULL, host="127.0.0.1")
+    assert pull.getsockopt(zmq.MAXMSGSIZE) == 4096 and pull.getsockopt(zmq.RCVHWM) == hooks.STATUS_RCVHWM
+    assert meanwhile[0].getsockopt(zmq.MAXMSGSIZE) == -1, "a socket made meanwhile inherited the limit"
+    assert zmq.MAXMSGSIZE not in ctx.sockopts
+    for sock in (pull, *meanwhile):
         sock.close(linger=0)
     ctx.term()
 

@@ -440,6 +440,28 @@ def test_a_success_replayed_within_its_use_is_dropped_and_the_room_commits(secre
         decode.close()
 
 
+@pytest.mark.parametrize("owner_sharded", [False, True], ids=["replicated CP prefill", "shared-KV prefill"])
+def test_a_keyed_decode_serves_a_replicated_prefill_as_sglang_does(owner_sharded):
+    """Issue 47: the flag needs the secret, and an opted-in decode with it must still serve a
+    replicated CP (or non-CP) prefill, which sends SGLang's statuses: no manifest, no signature.
+    Such a room commits on SGLang's rule; a room of an owner-sharded prefill still drops them."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = idle_manager(secret=SECRET)
+    make_receiver(mgr, owner_sharded=owner_sharded)
+    decode = DecodeThread(mgr)
+    try:
+        decode.push([status_message(ROOM, int(KVPoll.Success), rank, b"") for rank in (0, 1)])
+        if owner_sharded:
+            wait_for(lambda: mgr.dropped_messages.count == 2, "both unsigned Successes dropped")
+            assert mgr.request_status[ROOM] == KVPoll.Bootstrapping, mgr.failure_records
+        else:
+            wait_for(lambda: mgr.request_status[ROOM] == KVPoll.Success, f"SGLang's commit: {mgr.failure_records}")
+            assert mgr.dropped_messages.count == 0, mgr.dropped_messages.recent
+    finally:
+        decode.close()
+
+
 @pytest.mark.parametrize("secret", [SECRET, None], ids=["secret", "no secret"])
 def test_only_the_prefill_ranks_a_room_targeted_count_toward_its_commit(secret):
     """Finding 8: a Success from prefill rank 2 (2 % 2 == CP rank 0), which the room never

@@ -31,8 +31,8 @@ from sglang.srt.model_executor.cuda_graph_config import Backend
 
 from sglang_nsa_cp.disagg.listeners import exposure
 from sglang_nsa_cp.envs import envs
-from sglang_nsa_cp.sglang_ext.ledger import check_patch_points
-from sglang_nsa_cp.sglang_ext.server_args import ATTR, FLAG, SharedKVConfigError, requested
+from sglang_nsa_cp.sglang_ext.ledger import ENVIRONMENT, check_patch_points
+from sglang_nsa_cp.sglang_ext.server_args import ATTR, DECODE_ATTR, FLAG, SharedKVConfigError, requested
 
 logger = logging.getLogger(__name__)
 
@@ -220,18 +220,60 @@ def _hicache_problems(cfg: Any) -> list[str]:
     return problems
 
 
+def environment_problems() -> list[str]:
+    """Every SGLANG_NSA_CP_* variable that does not parse, and a PD secret that is missing while the
+    operator has not declared the PD network trusted: checked at start-up on both roles, before any
+    weight loads (a bad value would otherwise surface at the KV-manager build or the first request)."""
+    problems = []
+    for var in envs.all():
+        try:
+            var.get()
+        except ValueError as err:
+            problems.append(f"{err}")
+    secret, trusted = envs.SGLANG_NSA_CP_PD_SECRET, envs.SGLANG_NSA_CP_PD_NETWORK_TRUSTED
+    try:
+        unkeyed = secret.get() is None and not trusted.get()
+    except ValueError:
+        unkeyed = False  # reported above
+    if unkeyed:
+        problems.append(
+            f"needs {secret.name} (at least 16 bytes, the same on the decode and every prefill rank, e.g. "
+            "`python -c 'import secrets; print(secrets.token_hex(32))'`): without it anyone who reaches the "
+            f"decode's status port can forge a room's commit or fail it; set it, or set {trusted.name}=1 once "
+            "only the PD peers can reach the prefill and decode ports (docs/disagg.md, threat model)"
+        )
+    return problems
+
+
+def _decode_problems(cfg: Any) -> list[str]:
+    """The flag on a PD decode is its opt-in to shared-KV prefills: what that needs."""
+    problems = []
+    if cfg.disaggregation_transfer_backend != "mooncake":
+        problems.append(
+            f"takes owned pages over Mooncake only, got --disaggregation-transfer-backend "
+            f"{cfg.disaggregation_transfer_backend}; use --disaggregation-transfer-backend mooncake"
+        )
+    elif not envs.SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED.get():
+        problems += filter(None, [exposure(envs.SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED.name)])
+    return problems
+
+
 def find_problems(server_args: Any) -> list[str]:
-    """Every reason the resolved arguments cannot run shared-KV prefill CP, each with its fix."""
+    """Every reason the resolved arguments cannot run shared-KV prefill CP (or, on a PD decode,
+    serve it), each with its fix."""
     cfg = resolving_view(server_args)
     problems = []
     version = check_sglang_version()
     if version:
         problems.append(version)
     problems += check_patch_points()  # SGLang's load_plugins() applied the hooks before resolution
+    problems += environment_problems()
     if str(cfg.model_path).lower() in ("none", "dummy"):
         return problems + [
             f"needs a real DSA checkpoint, got --model-path {cfg.model_path}; pass the model or drop {FLAG}"
         ]
+    if cfg.disaggregation_mode == "decode":
+        return problems + _decode_problems(cfg)
     problems += _model_problems(server_args)
 
     if not cfg.enable_prefill_cp or cfg.attn_cp_size <= 1:
@@ -257,9 +299,10 @@ def find_problems(server_args: Any) -> list[str]:
         )
     if cfg.disaggregation_mode != "prefill":
         problems.append(
-            f"runs only on a PD prefill instance (got --disaggregation-mode {cfg.disaggregation_mode}): each "
-            "rank keeps only its own pages, so decoding on this instance would re-gather the whole context "
-            "every token; add --disaggregation-mode prefill and serve decode from a separate non-CP instance"
+            f"runs only on a PD prefill instance and, as their opt-in, on its decode instances (got "
+            f"--disaggregation-mode {cfg.disaggregation_mode}): each rank keeps only its own pages, so decoding "
+            "on this instance would re-gather the whole context every token; add --disaggregation-mode prefill "
+            f"and serve decode from a separate non-CP instance started with {FLAG} too"
         )
     elif cfg.disaggregation_transfer_backend != "mooncake":
         problems.append(
@@ -329,17 +372,22 @@ def validate(server_args: Any) -> None:
     problems = find_problems(server_args)
     if problems:
         raise SharedKVConfigError.listing(problems)
+    if resolving_view(server_args).disaggregation_mode == "decode":
+        if not getattr(server_args, DECODE_ATTR, False):
+            setattr(server_args, DECODE_ATTR, True)  # pickled to the schedulers, as ATTR
+            logger.info("%s: this decode serves shared-KV prefills (owned-page commit rule)", FLAG)
+        return
     if not getattr(server_args, ATTR, False):
         # Bookkeeping attributes stay writable during resolution and are pickled to schedulers.
         setattr(server_args, ATTR, True)
         # SGLang's own KV sharding does the work: its page-interleaved pool (the plugin's
         # subclass), owner-rotating allocator, admission gate, HiCache tier and owner-page send.
         declare_resolution(server_args, FLAG, enable_kv_cache_sharding=True)
-        # Mooncake's TCP queue takes ~2048 entries a peer by default, 65535 at most: the most, and
-        # SGLang's batches (an entry a page and layer, MTP's included) kept under it. Inherited.
-        os.environ.setdefault("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "65535")
+        # The environment the flag sets (ledger.ENVIRONMENT, its why), inherited by the schedulers.
+        queue, batch = ENVIRONMENT
+        os.environ.setdefault(queue.name, queue.value)
         layers = model_config_of(server_args).num_hidden_layers + 1
-        os.environ.setdefault("SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES", str(65535 // layers))
+        os.environ.setdefault(batch.name, str(int(queue.value) // layers))
         logger.info(
             "%s: shared-KV prefill CP on SGLang's KV sharding (attn_cp_size=%d)",
             FLAG,

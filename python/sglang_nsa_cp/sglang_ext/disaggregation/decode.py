@@ -9,8 +9,8 @@ the plugin's flag turns on) with CP size N > 1, the same pages are re-dealt so t
 consecutive pages (`owner_grouped_pages`): each prefill rank's owned positions become one run.
 Everything downstream reads the regrouped slots: `req_to_token` (attention, the radix cache,
 decode steps continuing the last page), the KV destination list and the index-K (DSA state)
-destination list, both derived from `req_to_token`. No flag: it runs on any decode with the plugin
-installed; a stock decode keeps request order and still works (more entries per rank).
+destination list, both derived from `req_to_token`. Only on a decode started with the flag (its
+opt-in); any other decode keeps SGLang's request order.
 
 Left in request order: requests with a decode-side cached prefix (positions start after it),
 SWA-tail and HiSparse allocation, page size 1, a prefill that is not owner-sharded or has CP 1.
@@ -44,9 +44,12 @@ def prefill_owner_cp_size(queue, req) -> int:
 
 def allocate_grouped_by_owner(original, self, allocator, **kwargs):
     """AROUND `DecodePreallocQueue._alloc_for_decode_prealloc`."""
+    from sglang_nsa_cp.sglang_ext.server_args import decode_opted_in
+
     kv_loc = original(self, allocator, **kwargs)
     if (
-        kv_loc is None
+        not decode_opted_in()
+        or kv_loc is None
         or allocator.page_size <= 1
         or kwargs.get("prefix_len")
         or kwargs.get("total_prefix_len")

@@ -309,6 +309,7 @@ class RoomExpectation:
     cp_size: int  # the prefill CP size the decode targets
     prefill_ranks: Optional[tuple[int, ...]] = None  # unique ranks it sent its metadata to (None: unknown)
     uses: int = 1  # decode destinations of the room (SGLang's required_dst_info_num), each with a nonce
+    owner_sharded: bool = True  # its prefill advertises owner-sharded pages at CP > 1 (a shared-KV prefill's)
 
     @property
     def max_pages(self) -> int:

@@ -15,8 +15,9 @@ A message with a problem is dropped as if never sent and logged at most once per
 last drop of a waiting room goes into its timeout's reason). A status counts only for a waiting
 room, from a prefill rank the room targeted, and only if SGLang acts on it (Success, Failed, and
 WaitingForInput under deferred allocation; the rest it would only log). With
-SGLANG_NSA_CP_PD_SECRET a Success must carry a valid manifest and any other status a valid
-`sign_status` signature, both bound to this use of the room. Not authenticated (shape and bounds
+SGLANG_NSA_CP_PD_SECRET, in a room whose prefill is owner-sharded at CP > 1 (`keyed_room`), a
+Success must carry a valid manifest and any other status a valid `sign_status` signature, both
+bound to this use of the room; a room of a replicated or non-CP prefill is SGLang's, unsigned. Not authenticated (shape and bounds
 only): ABORT_ACK, AUX_DATA at its own room's slot, and with staging CHUNK_READY and STAGING_REQ.
 """
 
@@ -216,8 +217,18 @@ def _status(mgr, msg) -> None:
     targeted = getattr(mgr.room_expectations.get(room), "prefill_ranks", None)
     if targeted is not None and rank not in targeted:
         raise _Drop(f"a {name} status from prefill rank {rank}; room {room} targets prefill ranks {list(targeted)}")
-    if mgr.pd_secret is not None:
+    if keyed_room(mgr, room):
         _authenticate(mgr, room, status, rank, reason, manifest, signature)
+
+
+def keyed_room(mgr, room: int) -> bool:
+    """Whether `room`'s statuses must be signed: the decode has the secret and the room's prefill
+    advertises owner-sharded pages at CP > 1, as a shared-KV prefill does (or the decode has no
+    record of the room yet: fail closed). A replicated or non-CP prefill sends SGLang's statuses."""
+    if mgr.pd_secret is None:
+        return False
+    expected = mgr.room_expectations.get(room)
+    return expected is None or expected.owner_sharded
 
 
 def _authenticate(mgr, room, status, rank, reason, manifest, signature) -> None:
@@ -230,7 +241,7 @@ def _authenticate(mgr, room, status, rank, reason, manifest, signature) -> None:
         if signature is None:
             raise _Drop(
                 f"an unsigned {STATUS_NAMES[status]} status (with SGLANG_NSA_CP_PD_SECRET set here, every "
-                "prefill must run the plugin with shared KV and the same secret)"
+                "owner-sharded prefill must run the plugin with shared KV and the same secret)"
             )
         problem = status_signature_problem(signature, mgr.pd_secret, room, rank, status, reason, use)
         if problem is not None:

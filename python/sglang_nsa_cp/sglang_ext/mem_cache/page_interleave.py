@@ -10,7 +10,7 @@ pool, the budget charge and the admission gate, so a batch never needs more than
 a batch whose cached prefixes exceed it waits for the next one.
 
 Every scheduler calls the target while it configures its KV cache, before any pool memory is
-taken; with the flag requested the hook first checks the patch ledger in that process
+taken; with the flag requested (a prefill's or a decode's) the hook first checks the patch ledger in that process
 (`ledger.require_patch_points`: the launcher's check covers only the launcher) and that the
 flag's start-up validation ran (it writes the decision the runtime hooks read).
 """
@@ -21,7 +21,7 @@ import msgspec
 
 from sglang_nsa_cp.envs import envs
 from sglang_nsa_cp.sglang_ext.ledger import require_patch_points
-from sglang_nsa_cp.sglang_ext.server_args import ATTR, FLAG, is_enabled, requested
+from sglang_nsa_cp.sglang_ext.server_args import ATTR, DECODE_ATTR, FLAG, is_enabled, requested
 
 
 def scratch_spec(spec, *, context_len: int, chunk_tokens: int, contexts: int):
@@ -39,8 +39,9 @@ def scratch_spec(spec, *, context_len: int, chunk_tokens: int, contexts: int):
 
 
 def refuse_unless_in_place() -> None:
-    """In a process with published ServerArgs that request the flag (a scheduler): raise unless
-    every patch point is in place here and the start-up validation wrote its decision."""
+    """In a process with published ServerArgs that request the flag (a scheduler of a prefill or of
+    a decode, which applies the decode-side hooks): raise unless every patch point is in place here
+    and the start-up validation wrote its decision."""
     from sglang.srt.runtime_context import get_server_args
 
     try:
@@ -50,7 +51,7 @@ def refuse_unless_in_place() -> None:
     if not requested(server_args):
         return
     require_patch_points(FLAG)
-    if not getattr(server_args, ATTR, False):
+    if not (getattr(server_args, ATTR, False) or getattr(server_args, DECODE_ATTR, False)):
         raise RuntimeError(
             f"{FLAG} was requested but its start-up validation never ran in the launcher (no resolution "
             "step called it), so nothing checked the server arguments; load the plugin through SGLang's "

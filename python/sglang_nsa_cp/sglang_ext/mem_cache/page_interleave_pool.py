@@ -1,12 +1,10 @@
 """SGLang's page-interleaved DSA pool with the Hopper delta. Mirrors
 `sglang/srt/mem_cache/page_interleave_pool.py`.
 
-Target: `page_interleave_pool.PageInterleaveDSATokenToKVPool` (REPLACE, class): SGLang builds this
-pool by that name for the target worker and an MTP draft (`KVCacheConfigurator._build_dsa_kv_pool`,
-`_build_mtp_kv_shard_pool`); the hook registry propagates the replacement to those imports.
-Without `--enable-nsa-prefill-cp-shared-kv` (SGLang's own `--enable-kv-cache-sharding`, on
-Blackwell) the override calls SGLang's methods and nothing else (decided once per pool), so the
-pool stores SGLang's bytes at SGLang's rows (test_page_interleave_pool.py checks pool and scratch).
+A subclass of SGLang's `page_interleave_pool.PageInterleaveDSATokenToKVPool` that adds no state:
+with `--enable-nsa-prefill-cp-shared-kv` the pool SGLang builds (for the target worker and an MTP
+draft) becomes this class (`kv_cache_configurator.py`'s hook); without the flag SGLang's name and
+every pool it builds stay SGLang's class (test_page_interleave_pool.py checks pool and scratch).
 
 N = 2, page 64, SGLang's placement (`page_interleave.PageInterleavePlacement`):
 
@@ -39,25 +37,16 @@ from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
 from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveDSATokenToKVPool as SGLangPool
 
 from sglang_nsa_cp import kernels
-from sglang_nsa_cp.sglang_ext.server_args import is_enabled
 
 
 class PageInterleaveDSATokenToKVPool(SGLangPool):
-    """`PageInterleaveDSATokenToKVPool` with the override of the module docstring."""
-
-    _serves_flag: Optional[bool] = None  # decided on first use: the pool is built after resolution
-
-    def serves_flag(self) -> bool:
-        """Whether this pool runs the plugin's delta (the flag is on), else SGLang's methods only."""
-        if self._serves_flag is None:
-            self._serves_flag = is_enabled()
-        return self._serves_flag
+    """`PageInterleaveDSATokenToKVPool` with the override of the module docstring (no state of its own)."""
 
     def set_mla_kv_buffer(self, layer, loc_info, cache_k_nope, cache_k_rope, layer_id_override: Optional[int] = None):
         """Stage the whole chunk into the layer's scratch slot and persist the owned rows, from one
         quantization in one pass (fp8: `kernels.store_mla_fp8_owned_and_scratch`, SGLang's
         rounding); bf16 rows go through SGLang's path unchanged."""
-        if not (self.dsa_kv_cache_store_fp8 and self.serves_flag()):
+        if not self.dsa_kv_cache_store_fp8:
             return super().set_mla_kv_buffer(layer, loc_info, cache_k_nope, cache_k_rope, layer_id_override)
         loc, _, _ = unwrap_write_loc(loc_info)
         layer_id = layer_id_override if layer_id_override is not None else layer.layer_id

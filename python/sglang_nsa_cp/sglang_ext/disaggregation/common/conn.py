@@ -3,8 +3,9 @@
 
 Target: `get_zmq_socket_on_host` (AROUND), as `CommonKVManager.__init__` calls it to bind the
 manager's status socket. While a decode manager of the plugin is being built
-(`limited_status_frames`, `../mooncake/conn.py`), that socket gets, before it binds (libzmq copies
-options to a listener at bind time, so setting them later does nothing):
+(`limited_status_frames`, `../mooncake/conn.py`), that socket alone (never SGLang's shared context)
+gets, after it is created and before it binds (libzmq copies options to a listener at bind time,
+so setting them later does nothing):
 - ZMQ_MAXMSGSIZE: a larger frame closes the connection that sent it before anyone parses it;
 - ZMQ_RCVHWM = STATUS_RCVHWM instead of SGLang's 0 (unlimited): each connection queues at most
   that many whole messages here; a sender past it waits (SGLang's PUSH sockets have no send
@@ -48,10 +49,13 @@ class _ShortQueueSocket(zmq.Socket):
 
 class _ShortQueueContext:
     """The manager's context, whose `.socket` (all `get_zmq_socket_on_host` calls on it) makes a
-    `_ShortQueueSocket`; everything else is the context's."""
+    `_ShortQueueSocket` with ZMQ_MAXMSGSIZE set on that socket alone (never on the shared context,
+    whose other sockets, made by any thread meanwhile, keep SGLang's options); everything else is
+    the context's."""
 
-    def __init__(self, context):
+    def __init__(self, context, max_msg_bytes: int):
         self._context = context
+        self._max_msg_bytes = max_msg_bytes
 
     def __getattr__(self, name):
         return getattr(self._context, name)
@@ -59,6 +63,7 @@ class _ShortQueueContext:
     def socket(self, socket_type, **kwargs):
         kwargs.setdefault("socket_class", _ShortQueueSocket)
         sock = self._context.socket(socket_type, **kwargs)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_msg_bytes)
         sock.setsockopt(zmq.RCVHWM, STATUS_RCVHWM)
         return sock
 
@@ -68,9 +73,4 @@ def limit_status_frames(original, context, socket_type, *args, **kwargs):
     limit = getattr(_STATUS_FRAME_LIMIT, "bytes", None)
     if limit is None:
         return original(context, socket_type, *args, **kwargs)
-    context.setsockopt(zmq.MAXMSGSIZE, limit)  # the default of sockets this context makes next
-    try:
-        short = context if isinstance(context, _ShortQueueContext) else _ShortQueueContext(context)
-        return original(short, socket_type, *args, **kwargs)
-    finally:
-        context.sockopts.pop(zmq.MAXMSGSIZE, None)
+    return original(_ShortQueueContext(context, limit), socket_type, *args, **kwargs)

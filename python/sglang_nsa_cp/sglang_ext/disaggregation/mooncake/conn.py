@@ -8,10 +8,13 @@ decode's nonce), the decode's commit only on full coverage from the owners, the 
 on a timeout, and every message screened before SGLang's decode thread parses it
 (`../status_guard.py`; with the secret every status must be signed).
 
-SGLang builds these classes through `get_kv_class` (`../utils.py`). Each override calls SGLang's
-method, and the ledger fingerprints each one (`ledger.PatchPoint.overrides`). Prefill-side
-overrides act only on a shared-KV prefill manager (`owned_pages_ledger` set); decode-side ones on
-rooms whose Success carries a manifest, on every room with the secret, and the screen always.
+SGLang builds these classes through `get_kv_class` (`../utils.py`) only on a shared-KV prefill
+and on a decode started with the flag (its opt-in). Each override calls SGLang's method, and the
+ledger fingerprints each one (`ledger.PatchPoint.overrides`). A shared-KV prefill fails a room,
+naming the flag, when a decode destination did not opt in (its metadata carries no use nonce).
+Decode-side overrides act on rooms whose Success carries a manifest and, with the secret, on
+every room whose prefill is owner-sharded at CP > 1; a room of a replicated or non-CP prefill is
+SGLang's (screened for shape only).
 """
 
 from __future__ import annotations
@@ -25,9 +28,7 @@ from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, MooncakeK
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_nsa_cp.disagg import auth
-from sglang_nsa_cp.disagg.listeners import exposure
 from sglang_nsa_cp.disagg.manifest import cut
-from sglang_nsa_cp.envs import envs
 from sglang_nsa_cp.sglang_ext.disaggregation.common.conn import limited_status_frames
 from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import (
     MANIFEST_TAG,
@@ -44,8 +45,8 @@ from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import (
     pool_pages,
     verify_manifests,
 )
-from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import DropLog, guard_recv, sign_status
-from sglang_nsa_cp.sglang_ext.server_args import is_enabled
+from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import DropLog, guard_recv, keyed_room, sign_status
+from sglang_nsa_cp.sglang_ext.server_args import FLAG, is_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,8 @@ class NoncesByRoom(dict):
         super().__init__()
         self.sessions = 0
 
-    def note(self, room: int, session: str, declared: int, nonce: bytes) -> None:
+    def note(self, room: int, session: str, declared: int, nonce: bytes | None) -> None:
+        """`nonce` None: the session's metadata carried none (a decode that did not opt in)."""
         uses = self.get(room)
         if uses is None:
             while len(self) >= MAX_NOTED_ROOMS:
@@ -127,18 +129,12 @@ def _warn_once_if_unprotected(mode, secret) -> None:
         )
 
 
-def _warn_once_if_mooncake_unconfined() -> None:
-    """One line per process when a decode with the plugin starts (no flag there, so no start-up
-    refusal as on a shared-KV prefill) while its deployer has not said Mooncake's ports, open on
-    every interface whatever the configured host, are confined to the PD peers."""
-    confined = envs.SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED
-    if "mooncake" not in _warned_unprotected and not confined.get() and (problem := exposure(confined.name)):
-        _warned_unprotected.add("mooncake")
-        logger.warning("owned-page PD decode: %s", problem)
-
-
 class OwnedPageKVManager(MooncakeKVManager):
     """SGLang's Mooncake manager with the owned-page checks (prefill) and the commit rule (decode)."""
+
+    # A 4th status frame (the reason) on this class only, SGLang's decode parser reads it; the
+    # manifest and status signature follow it (`_encode_kv_status_message`).
+    kv_status_msg_carries_reason = True
 
     def __init__(self, args, disaggregation_mode, server_args, is_mla_backend=False):
         # SGLang starts the manager's threads inside __init__: the state they read comes first.
@@ -157,7 +153,6 @@ class OwnedPageKVManager(MooncakeKVManager):
 
             parallel = get_parallel()
             rank, size = parallel.attn_cp_rank, parallel.attn_cp_size
-            self.kv_status_msg_carries_reason = True  # a 4th frame; SGLang's decode parser reads it
             self.owned_pages_ledger = OwnedPageLedger(rank, size)
             logger.info("Owned-page PD transfer: CP rank %d of %d sends the pages it owns", rank, size)
             _warn_once_if_unprotected(disaggregation_mode, self.pd_secret)
@@ -167,7 +162,6 @@ class OwnedPageKVManager(MooncakeKVManager):
         # Decode: status messages carry manifests of at most the pool's pages; nothing SGLang
         # sends to this socket comes near 1 MiB.
         _warn_once_if_unprotected(disaggregation_mode, self.pd_secret)
-        _warn_once_if_mooncake_unconfined()
         with limited_status_frames((1 << 20) + max_manifest_bytes(pool_pages(args), MAX_USES)):
             super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
 
@@ -195,19 +189,45 @@ class OwnedPageKVManager(MooncakeKVManager):
     # ---- prefill side ----------------------------------------------------------------------------
     def _note_use_nonce(self, msg) -> None:
         """[room, endpoint, port, session, ..., required destinations, ..., USE_NONCE_TAG + nonce]
-        from a decode's `build_receiver_metadata_message`; anything else is left to SGLang. A
+        from a decode's `build_receiver_metadata_message`; a room's metadata without the nonce frame
+        is noted as such (a decode that did not opt in: `add_transfer_request` fails its room);
+        anything else is left to SGLang. A
         session's first nonce stays (a later one for the same session is ignored), a room holds at
         most the destinations its first metadata declared, and `NoncesByRoom` bounds rooms and
         sessions in all: SGLang's metadata channel is unauthenticated, so these bound what anyone
         who reaches it can make the prefill keep and put into the room's manifests."""
-        nonce = msg[-1] if len(msg) > 10 else b""
-        if not (nonce.startswith(USE_NONCE_TAG) and len(nonce) == len(USE_NONCE_TAG) + USE_NONCE_BYTES):
-            return
+        if len(msg) < 10 or not msg[0].isdigit():
+            return  # not a room's metadata (registration, staging, abort): SGLang's
         try:
             room, session, declared = int(msg[0].decode("ascii")), msg[3].decode("ascii"), int(msg[7])
         except (UnicodeDecodeError, ValueError):
             return
-        self.destination_nonces.note(room, session, declared, nonce[len(USE_NONCE_TAG) :])
+        nonce = msg[-1] if len(msg) > 10 else b""
+        if nonce.startswith(USE_NONCE_TAG) and len(nonce) == len(USE_NONCE_TAG) + USE_NONCE_BYTES:
+            self.destination_nonces.note(room, session, declared, nonce[len(USE_NONCE_TAG) :])
+        else:
+            self.destination_nonces.note(room, session, declared, None)
+
+    def _destination_problem(self, room: int) -> str | None:
+        """Why a decode destination of `room` cannot take owned pages: it did not opt in (no use
+        nonce on its metadata), or its nonce is not held (more rooms noted than the bound)."""
+        uses = self.destination_nonces.get(room) or {}
+        for session, info in list(self.transfer_infos.get(room, {}).items()):
+            if info.is_dummy:
+                continue
+            if session in uses and uses[session] is None:
+                return (
+                    f"owned-page transfer of room {room}: decode {info.endpoint}:{info.dst_port} has not opted in "
+                    f"to shared-KV prefills (its request metadata carries no use nonce), so it would commit this "
+                    f"room without the owned-page checks; start that decode with {FLAG}"
+                )
+            if session not in uses:
+                return (
+                    f"owned-page transfer of room {room}: no use nonce held for decode {info.endpoint}:"
+                    f"{info.dst_port} (the prefill holds at most {MAX_NOTED_ROOMS} rooms' nonces, the oldest "
+                    "going first), so its manifests could not answer that decode's use of the room"
+                )
+        return None
 
     def add_transfer_request(
         self,
@@ -231,6 +251,10 @@ class OwnedPageKVManager(MooncakeKVManager):
             and self.check_status(bootstrap_room) != KVPoll.Failed
             and bootstrap_room in self.transfer_infos
         )
+        if live and (problem := self._destination_problem(bootstrap_room)) is not None:
+            logger.error("%s", problem)
+            self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason=problem)
+            return None
         if live:
             positions = _positions(index_slice)
             local = kv_indices.numpy() if hasattr(kv_indices, "numpy") else np.asarray(kv_indices)
@@ -317,7 +341,7 @@ class OwnedPageKVManager(MooncakeKVManager):
         parts = super()._encode_kv_status_message(**kwargs)
         room = kwargs.get("bootstrap_room")
         manifest = self.outgoing_manifests.get(room)
-        uses = self.destination_nonces.get(room, {}).values()
+        uses = [nonce for nonce in self.destination_nonces.get(room, {}).values() if nonce is not None]
         rank = self._prefill_unique_rank()
         if manifest is not None:
             parts = list(parts) + [encode_manifest(manifest, room, rank, self.pd_secret, uses)]
@@ -326,7 +350,7 @@ class OwnedPageKVManager(MooncakeKVManager):
             parts = list(parts) + [sign_status(self.pd_secret, room, rank, status, reason, uses)]
         return parts
 
-    # ---- decode side (no flag: keyed on the manifests a shared-KV prefill sends) -------------------
+    # ---- decode side (an opted-in decode: keyed on the manifests a shared-KV prefill sends) --------
     def build_receiver_metadata_message(self, **kwargs):
         """SGLang's request metadata with this use's nonce as a last frame (`OwnedPageKVReceiver.
         send_metadata` draws it), which a shared-KV prefill binds its manifests to."""
@@ -347,7 +371,7 @@ class OwnedPageKVManager(MooncakeKVManager):
         room, _, prefill_rank, _ = parsed
         expected = self.room_expectations.get(room)
         if expected is not None and frame.startswith(MANIFEST_TAG):
-            keyed = self.pd_secret is not None
+            keyed = keyed_room(self, room)
             try:
                 manifest = decode_manifest(
                     frame,
@@ -367,14 +391,14 @@ class OwnedPageKVManager(MooncakeKVManager):
         return parsed
 
     def apply_prefill_status(self, *, bootstrap_room, status, prefill_rank, failure_reason=None):
-        """When the last expected Success of a room whose senders send manifests (every room,
-        when this decode has the secret) arrives, commit only if the manifests cover every page
+        """When the last expected Success of a room whose senders send manifests (every room of an
+        owner-sharded prefill, when this decode has the secret) arrives, commit only if the manifests cover every page
         position exactly once from its owner, counted against what this decode asked for;
         otherwise the room fails with the reason."""
         manifest = self.manifest_inbox.pop((bootstrap_room, prefill_rank), None)
         responders = self.prefill_response_tracker.get(bootstrap_room)
         required = self.required_prefill_response_num_table.get(bootstrap_room)
-        keyed = self.pd_secret is not None
+        keyed = keyed_room(self, bootstrap_room)
 
         def apply(status, failure_reason):
             return super(OwnedPageKVManager, self).apply_prefill_status(
@@ -489,6 +513,7 @@ class OwnedPageKVReceiver(MooncakeKVReceiver):
                 int(info.attn_cp_size),
                 prefill_ranks=tuple(_expected_prefill_ranks(self, every_tp_rank=True)) or None,
                 uses=max(1, int(getattr(self, "required_dst_info_num", None) or 1)),
+                owner_sharded=bool(getattr(info, "enable_kv_cache_sharding", False)) and int(info.attn_cp_size) > 1,
             )
         if aux_index is not None:  # the one slot a prefill may write this room's metadata to
             self.kv_mgr.room_aux_indices[self.bootstrap_room] = int(aux_index)
