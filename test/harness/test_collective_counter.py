@@ -1,4 +1,4 @@
-"""CPU: the test-only collective counter (test/helpers/collective_counter.py) on 2 gloo ranks and in
+"""CPU, ~35-90 s (2 spawned gloo ranks importing SGLang's distributed utils): the test-only collective counter (test/helpers/collective_counter.py) on 2 gloo ranks and in
 process: what it records per forward (op, bytes, group size, calling site), what it leaves out (a
 call inside a counted call, other threads' calls), that the wrapped collectives still move the data,
 and the per-rank JSON the servers write."""
@@ -20,7 +20,7 @@ from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 from helpers import collective_counter as C  # noqa: E402
 from helpers.distributed import run_ranks  # noqa: E402
 
-register_cpu_ci(est_time=20, suite="nsa-cp-test-cpu-unit")
+register_cpu_ci(est_time=60, suite="nsa-cp-test-cpu")
 
 ROWS, ROW = 65, 576  # a layer buffer of one page + 1 row, bf16 latent rows
 
@@ -88,7 +88,7 @@ def test_pynccl_methods_are_counted_and_the_report_written(tmp_path, monkeypatch
     counter = C.CollectiveCounter(str(tmp_path / "collectives-1.json"))
     counter.install_pynccl()
     comm = types.SimpleNamespace(world_size=4)
-    counter.meta.update(port=1234, tp_rank=1, attn_cp_rank=1, attn_cp_size=4)
+    counter.meta.update(port=1234, rank=1, attn_cp_rank=1, attn_cp_size=4)
     counter.begin_forward()
     PyNcclCommunicator.all_gather(comm, torch.empty(8, 656, dtype=torch.uint8), torch.empty(2, 656, dtype=torch.uint8))
     PyNcclCommunicator.broadcast(comm, torch.empty(129, 576, dtype=torch.bfloat16), 0)

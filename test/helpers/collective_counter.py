@@ -5,9 +5,9 @@ Installed by the CPU stand-in plugin (`sglang_cpu_stand_ins.register`) in every 
 `NSA_CP_TEST_COUNT_COLLECTIVES` names a folder; each scheduler (model runner) then writes
 `<folder>/collectives-<pid>.json`, rewritten after each forward:
 
-    {"pid": ..., "port": <the server's HTTP port>, "tp_rank": ..., "attn_cp_rank": ..., "attn_cp_size": ...,
+    {"pid": ..., "port": <the server's HTTP port>, "rank": <torch.distributed's>, "attn_cp_rank": ..., "attn_cp_size": ...,
      "forwards": [{"index": 0, "mode": "EXTEND", "extend_lens": [...], "prefix_lens": [...],
-                   "calls": [{"op": "broadcast", "bytes": ..., "world": 2, "site": "module:function"}]}],
+                   "calls": [{"op": "broadcast", "bytes": ..., "world": 2, "site": "module:function", "via": <its caller>}]}],
      "outside": {"<op> <site>": {"calls": ..., "bytes": ...}}}   # collectives between forwards
 
 What is wrapped: SGLang's `PyNcclCommunicator.all_gather` / `.broadcast` (a GPU's CP groups, the
@@ -42,15 +42,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def call_site(depth: int = 2) -> str:
-    """`module:function` of the first frame above the wrappers that is not plumbing."""
-    frame = sys._getframe(depth)
-    while frame is not None:
+def call_site(depth: int = 2) -> tuple[str, str]:
+    """`module:function` of the first frame above the wrappers that is not plumbing, and of its caller."""
+    frame, found = sys._getframe(depth), []
+    while frame is not None and len(found) < 2:
         module = frame.f_globals.get("__name__", "?")
-        if not module.startswith(SKIPPED_MODULES) and module != "torch":
-            return f"{module}:{frame.f_code.co_name}"
+        if found or not (module == "torch" or module.startswith(SKIPPED_MODULES)):
+            found.append(f"{module}:{frame.f_code.co_name}")
         frame = frame.f_back
-    return "?"
+    return (*found, "?", "?")[:2]
 
 
 class CollectiveCounter:
@@ -67,9 +67,9 @@ class CollectiveCounter:
 
     # ---- recording --------------------------------------------------------------------------------
 
-    def record(self, op: str, nbytes: int, world: int, site: str) -> None:
+    def record(self, op: str, nbytes: int, world: int, site: str, via: str = "?") -> None:
         if self.current is not None and threading.get_ident() == self.forward_thread:
-            self.current["calls"].append({"op": op, "bytes": nbytes, "world": world, "site": site})
+            self.current["calls"].append({"op": op, "bytes": nbytes, "world": world, "site": site, "via": via})
         else:
             slot = self.outside.setdefault(f"{op} {site}", {"calls": 0, "bytes": 0})
             slot["calls"] += 1
@@ -84,7 +84,7 @@ class CollectiveCounter:
         def counted(*args, **kwargs):
             if getattr(self._local, "inside", False):
                 return fn(*args, **kwargs)
-            self.record(op, nbytes_of(*args, **kwargs), world_of(*args, **kwargs), call_site())
+            self.record(op, nbytes_of(*args, **kwargs), world_of(*args, **kwargs), *call_site())
             self._local.inside = True
             try:
                 return fn(*args, **kwargs)
@@ -185,7 +185,7 @@ def _around_forward(original, runner, *args, **kwargs):
         from sglang.srt.runtime_context import get_parallel
 
         parallel = get_parallel()
-        counter.meta.update(port=runner.server_args.port, tp_rank=runner.tp_rank,
+        counter.meta.update(port=runner.server_args.port, rank=dist.get_rank(),
                             attn_cp_rank=parallel.attn_cp_rank, attn_cp_size=parallel.attn_cp_size)  # fmt: skip
     counter.begin_forward(forward_batch)
     try:
@@ -214,4 +214,4 @@ def read_reports(folder: str | Path, port: int | None = None) -> list[dict]:
     """Every scheduler's report in `folder` (those of the server on `port`), by attention-CP rank."""
     reports = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("collectives-*.json"))]
     reports = [r for r in reports if r.get("port") and (port is None or r["port"] == port)]
-    return sorted(reports, key=lambda r: (r["attn_cp_rank"], r["tp_rank"]))
+    return sorted(reports, key=lambda r: (r["attn_cp_rank"], r["rank"]))
