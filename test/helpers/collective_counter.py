@@ -101,6 +101,8 @@ class CollectiveCounter:
             for key, attr in (("extend_lens", "extend_seq_lens_cpu"), ("prefix_lens", "extend_prefix_lens_cpu")):
                 value = getattr(forward_batch, attr, None)
                 record[key] = [int(v) for v in value] if value is not None else None
+            record["return_logprob"] = bool(getattr(forward_batch, "return_logprob", False))
+            record["narrow_tail"] = _narrow_tail_possible(forward_batch)
         self.current, self.forward_thread = record, threading.get_ident()
 
     def end_forward(self) -> None:
@@ -177,6 +179,18 @@ class CollectiveCounter:
 _COUNTER: CollectiveCounter | None = None
 
 
+def _narrow_tail_possible(forward_batch) -> bool | None:
+    """The plugin's own test of the batch for its narrow tail gather (None without the plugin)."""
+    if not hasattr(forward_batch, "capture_hidden_mode"):  # not SGLang's ForwardBatch
+        return None
+    try:
+        from sglang_nsa_cp.sglang_ext.layers.cp.utils import needs_only_last_tokens
+
+        return bool(needs_only_last_tokens(forward_batch))
+    except Exception:  # noqa: BLE001 -- a diagnostic field: a batch it cannot read records None
+        return None
+
+
 def _around_forward(original, runner, *args, **kwargs):
     """AROUND ModelRunner.forward: one record per forward, the file rewritten after it."""
     counter = _COUNTER
@@ -206,7 +220,9 @@ def install_in_server(folder: str) -> CollectiveCounter:
     _COUNTER.install_torch_distributed()
     _COUNTER.rebind_sglang_imports()
     _COUNTER.install_pynccl()
-    HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.forward", _around_forward, HookType.AROUND)
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner.forward", _around_forward, HookType.AROUND
+    )
     return _COUNTER
 
 

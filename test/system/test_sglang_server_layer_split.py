@@ -1,4 +1,4 @@
-"""CPU, ~4-5 min (real servers): SGLang's own layer split (`--enable-dsa-cache-layer-split`) beside the
+"""CPU, ~5-7 min (real servers, ~14 processes on 2 cores): SGLang's own layer split (`--enable-dsa-cache-layer-split`) beside the
 flag, in SGLang's real servers, at the same KV rows per rank, with every forward's collectives counted.
 
 Servers (test/helpers/sglang_servers.py, docs/sglang_cpu_server.md):
@@ -32,7 +32,7 @@ from helpers import sglang_servers as S  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
 import traffic  # noqa: E402
 
-register_cpu_ci(est_time=300, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=400, suite="nsa-cp-test-cpu")
 
 NEW_TOKENS = 6
 RANK_TOKENS = 512  # --max-total-tokens of both prefills: the demo's PREFILL_RANK_TOKENS
@@ -43,7 +43,7 @@ ARM = {"shared": "shared", "layer_split": "layer_split"}  # benchmark/traffic.py
 SITES = {
     "layer split's owner broadcast": "sglang.srt.mem_cache.dsa_cache_layer_split",
     "the flag's history gather": "sglang.srt.mem_cache.page_interleave_pool",
-    "CP's chunk all-gathers": "sglang.srt.layers.dp_attention:attn_cp_all_gather_into_tensor",
+    "CP's chunk all-gathers": "sglang.srt.layers.dp_attention:attn_cp_all_gather_into_tensor",  # from interleave
 }
 REFUSAL = re.compile(r"Input length \((\d+) tokens\) exceeds the maximum allowed length \((\d+) tokens\)")
 
@@ -77,6 +77,16 @@ def _forwards(cluster, prefill: str) -> list[list[dict]]:
     reports = C.read_reports(cluster.workdir / "collectives", cluster.servers[prefill].ports[0])
     assert [r["attn_cp_rank"] for r in reports] == list(range(S.CP)), f"{prefill}: reports {reports}"
     return [[f for f in r["forwards"] if f.get("mode") == "EXTEND"] for r in reports]
+
+
+CHUNK_ROW_BYTES = traffic.CHUNK_LATENT_BYTES + traffic.CHUNK_INDEX_KEY_BYTES
+
+
+def _physical_rank_rows(tokens: int) -> int:
+    """Rows of one rank in SGLang's interleave all-gathers: the busiest rank's share rounded up to a
+    multiple of N (layers/cp/padding.py `pad_logical_token_to_physical`)."""
+    share = -(-tokens // S.CP)
+    return -(-share // S.CP) * S.CP
 
 
 def _bytes(forward: dict, op: str, site: str) -> int:
@@ -121,7 +131,7 @@ def test_counted_bytes_per_forward_equal_the_formula(cluster, prefill):
     forwards = _forwards(cluster, prefill)
     assert forwards[0] and len(forwards[0]) == len(forwards[1]), [len(f) for f in forwards]
     layers, ring = S.MODEL["num_hidden_layers"], (S.CP - 1) / S.CP
-    seen_history = 0
+    seen_history, tails = 0, []
     for rank, rank_forwards in enumerate(forwards):
         for forward in rank_forwards:
             batch = traffic.Batch(tuple(zip(forward["extend_lens"], forward["prefix_lens"])))
@@ -139,12 +149,29 @@ def test_counted_bytes_per_forward_equal_the_formula(cluster, prefill):
                 assert gather == expected, f"{where}: history gather {gather} B, formula {expected} B"
                 assert broadcast == 0, where
                 seen_history += gather
-            chunk = _bytes(forward, "all_gather", SITES["CP's chunk all-gathers"])
-            expected = round(sum(t.forward_bus_bytes for n, t in terms.items() if n.startswith("chunk")) / ring)
-            print(f"{where}: chunk all-gathers {chunk} B counted, {expected} B by the formula; calls:",
-                  [(c["bytes"], c["site"], c["via"]) for c in forward["calls"] if c["op"] == "all_gather"])
+            # CP's own all-gathers (interleave): 2 a layer (the chunk's latent and indexer key), then
+            # the hidden states for the logits, none when SGLang runs the batch without CP (T < N)
+            cp_calls = [c["bytes"] for c in forward["calls"] if c["op"] == "all_gather"
+                        and c["site"].startswith(SITES["CP's chunk all-gathers"])]  # fmt: skip
+            if batch.new < S.CP:
+                assert not cp_calls, f"{where}: SGLang's interleave CP does not apply below N tokens: {cp_calls}"
+                continue
+            assert len(cp_calls) == 2 * layers + 1, f"{where}: {cp_calls}"
+            formula = round(sum(t.forward_bus_bytes for n, t in terms.items() if n.startswith("chunk")) / ring)
+            rows = S.CP * _physical_rank_rows(batch.new)
+            assert sum(cp_calls[:-1]) == rows * layers * (CHUNK_ROW_BYTES), f"{where}: chunk all-gathers {cp_calls}"
+            hidden = S.MODEL["hidden_size"] * traffic.HIDDEN_BYTES
+            tails.append((prefill, batch.requests, cp_calls[-1], rows * hidden, forward.get("narrow_tail")))
+            print(
+                f"{where}: chunk all-gathers {sum(cp_calls[:-1])} B counted, traffic.py {formula} B "
+                f"(N x ceil(T / N) rows; SGLang pads each rank to a multiple of N: {rows} rows); tail gather "
+                f"{cp_calls[-1]} B (every token: {rows * hidden} B; narrow possible: {forward.get('narrow_tail')})"
+            )
     if prefill == "shared":
         assert seen_history > 0, "the 3-chunk prompt and the radix hit must gather history"
+    else:  # layer split gathers every token's last hidden state (SGLang's cp_gather_after_forward)
+        assert all(counted == full for _, _, counted, full, _ in tails), tails
+    print(f"{prefill}: tail gathers (arm, batch, counted B, every token's B, narrow possible): {tails}")
 
 
 def test_long_prompt(cluster):
@@ -160,4 +187,6 @@ def test_long_prompt(cluster):
     assert REFUSAL.search(message).groups() == (str(LONG_PROMPT), str(RANK_TOKENS - 6)), message
     t = time.monotonic()
     assert _pd(cluster, "shared", ids) == _oracle(cluster, ids)
-    print(f"{LONG_PROMPT} tokens: layer split refused ({message}); the flag served them in {time.monotonic() - t:.0f} s")
+    print(
+        f"{LONG_PROMPT} tokens: layer split refused ({message}); the flag served them in {time.monotonic() - t:.0f} s"
+    )
