@@ -7,7 +7,7 @@ Installed by the CPU stand-in plugin (`sglang_cpu_stand_ins.register`) in every 
 
     {"pid": ..., "port": <the server's HTTP port>, "rank": <torch.distributed's>, "attn_cp_rank": ..., "attn_cp_size": ...,
      "forwards": [{"index": 0, "mode": "EXTEND", "extend_lens": [...], "prefix_lens": [...],
-                   "calls": [{"op": "broadcast", "bytes": ..., "world": 2, "site": "module:function", "via": <its caller>}]}],
+                   "calls": [{"op": "broadcast", "bytes": ..., "world": 2, "site": "module:function", "via": <its caller>, "stack": [<the next callers>]}]}],
      "outside": {"<op> <site>": {"calls": ..., "bytes": ...}}}   # collectives between forwards
 
 What is wrapped: SGLang's `PyNcclCommunicator.all_gather` / `.broadcast` (a GPU's CP groups, the
@@ -42,15 +42,18 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def call_site(depth: int = 2) -> tuple[str, str]:
-    """`module:function` of the first frame above the wrappers that is not plumbing, and of its caller."""
+STACK_FRAMES = 6  # callers recorded per call, the site first
+
+
+def call_site(depth: int = 2) -> list[str]:
+    """`module:function` of the first frame above the wrappers that is not plumbing, then its callers."""
     frame, found = sys._getframe(depth), []
-    while frame is not None and len(found) < 2:
+    while frame is not None and len(found) < STACK_FRAMES:
         module = frame.f_globals.get("__name__", "?")
         if found or not (module == "torch" or module.startswith(SKIPPED_MODULES)):
             found.append(f"{module}:{frame.f_code.co_name}")
         frame = frame.f_back
-    return (*found, "?", "?")[:2]
+    return found or ["?"]
 
 
 class CollectiveCounter:
@@ -67,9 +70,10 @@ class CollectiveCounter:
 
     # ---- recording --------------------------------------------------------------------------------
 
-    def record(self, op: str, nbytes: int, world: int, site: str, via: str = "?") -> None:
+    def record(self, op: str, nbytes: int, world: int, site: str, *callers: str) -> None:
         if self.current is not None and threading.get_ident() == self.forward_thread:
-            self.current["calls"].append({"op": op, "bytes": nbytes, "world": world, "site": site, "via": via})
+            self.current["calls"].append({"op": op, "bytes": nbytes, "world": world, "site": site,
+                                          "via": callers[0] if callers else "?", "stack": list(callers)})  # fmt: skip
         else:
             slot = self.outside.setdefault(f"{op} {site}", {"calls": 0, "bytes": 0})
             slot["calls"] += 1

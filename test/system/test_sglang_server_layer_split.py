@@ -151,8 +151,9 @@ def test_counted_bytes_per_forward_equal_the_formula(cluster, prefill):
                 seen_history += gather
             # CP's own all-gathers (interleave): 2 a layer (the chunk's latent and indexer key), then
             # the hidden states for the logits, none when SGLang runs the batch without CP (T < N)
-            cp_calls = [c["bytes"] for c in forward["calls"] if c["op"] == "all_gather"
-                        and c["site"].startswith(SITES["CP's chunk all-gathers"])]  # fmt: skip
+            cp_gathers = [c for c in forward["calls"] if c["op"] == "all_gather"
+                          and c["site"].startswith(SITES["CP's chunk all-gathers"])]  # fmt: skip
+            cp_calls = [c["bytes"] for c in cp_gathers]
             if batch.new < S.CP:
                 assert not cp_calls, f"{where}: SGLang's interleave CP does not apply below N tokens: {cp_calls}"
                 continue
@@ -162,6 +163,8 @@ def test_counted_bytes_per_forward_equal_the_formula(cluster, prefill):
             assert sum(cp_calls[:-1]) == rows * layers * (CHUNK_ROW_BYTES), f"{where}: chunk all-gathers {cp_calls}"
             hidden = S.MODEL["hidden_size"] * traffic.HIDDEN_BYTES
             tails.append((prefill, batch.requests, cp_calls[-1], rows * hidden, forward.get("narrow_tail")))
+            if rank == 0 and len(tails) == 1:
+                print(f"{prefill}: the tail gather's callers: {cp_gathers[-1]['stack']}")
             print(
                 f"{where}: chunk all-gathers {sum(cp_calls[:-1])} B counted, traffic.py {formula} B "
                 f"(N x ceil(T / N) rows; SGLang pads each rank to a multiple of N: {rows} rows); tail gather "
