@@ -107,6 +107,8 @@ class CollectiveCounter:
                 record[key] = [int(v) for v in value] if value is not None else None
             record["return_logprob"] = bool(getattr(forward_batch, "return_logprob", False))
             record["narrow_tail"] = _narrow_tail_possible(forward_batch)
+            if hasattr(forward_batch, "capture_hidden_mode"):  # SGLang's ForwardBatch
+                record["narrow_tail_gates"] = _narrow_tail_gates()
         self.current, self.forward_thread = record, threading.get_ident()
 
     def end_forward(self) -> None:
@@ -181,6 +183,20 @@ class CollectiveCounter:
 
 
 _COUNTER: CollectiveCounter | None = None
+
+
+def _narrow_tail_gates() -> dict | None:
+    """The plugin's other conditions for its narrow tail gather (`can_gather_narrow`), as this process sees them."""
+    try:
+        from sglang.srt.layers.cp.base import is_interleave
+        from sglang.srt.runtime_context import get_parallel
+
+        from sglang_nsa_cp.sglang_ext.server_args import is_enabled
+
+        return {"is_enabled": bool(is_enabled()), "is_interleave": bool(is_interleave()),
+                "attn_dp_size": int(get_parallel().attn_dp_size)}  # fmt: skip
+    except Exception as e:  # noqa: BLE001 -- a diagnostic field
+        return {"error": repr(e)}
 
 
 def _narrow_tail_possible(forward_batch) -> bool | None:
