@@ -12,7 +12,12 @@ shared-KV prefill and the decode) it sends greedy requests through the three pat
 - `--long-prompt` (GPU): a prompt longer than one rank's pool, the same KV bytes per rank on both
   prefills: the replicated prefill must refuse it (SGLang's message), the shared one serve it
   with the oracle's tokens;
-- every GPU stand-in each server used (its log), and each server's start-up time.
+- every GPU stand-in each server used (its log), and each server's start-up time;
+- `--layer-split`: SGLang's own layer split (`--enable-dsa-cache-layer-split`, the replicated
+  prefill's arguments plus that flag, the same rows per rank) beside the flag: its tokens for the
+  same cases against the oracle, its capacity, its answer to the long prompt (a refusal: its
+  logical capacity is one rank's rows), and both prefills' collectives counted per forward
+  (test/helpers/collective_counter.py) against benchmark/traffic.py's formulas.
 
 `--model glm5-shaped` (helpers/glm5_shaped.py: GLM-5's attention, indexer and vocabulary, 1 dense + 2
 MoE layers) also compares SGLang's returned logprobs (helpers/logprob_compare.py) and writes the
@@ -177,6 +182,76 @@ def long_prompt(cluster, S, length: int, top_logprobs: int = 0, vocab: int | Non
     return out
 
 
+LAYER_SPLIT_CASES = ("one page", "multi-page", "chunked", "radix: first", "radix: hit")
+
+
+def layer_split_check(cluster, S, page: int, chunk: int, per_rank: int, long_prompt_tokens: int) -> dict:
+    """The layer-split prefill beside the flag: tokens (through it and the decode, as the router
+    would) against the oracle for the cases of `run_requests`, capacity, the long prompt."""
+    from helpers import demo
+
+    ls, decode, oracle = cluster.servers["layer_split"], cluster.servers["decode"], cluster.servers["single"]
+    prefix = S.prompt_ids(2 * page + 5, seed=11)
+    prompts = dict(zip(LAYER_SPLIT_CASES, (
+        S.prompt_ids(page - 10, seed=1), S.prompt_ids(5 * page + 7, seed=2), S.prompt_ids(2 * chunk + 40, seed=3),
+        prefix + S.prompt_ids(20, seed=12), prefix + S.prompt_ids(30, seed=13))))  # fmt: skip
+    out = {"requests": []}
+    for name, ids in prompts.items():
+        mark, t0 = len(ls.log_text()), time.monotonic()
+        row = {"case": name, "tokens": len(ids)}
+        try:
+            _, answer = S.generate_pd(ls, decode, ids, NEW_TOKENS, timeout_s=300)
+            if isinstance(answer, Exception):
+                raise answer
+            row["layer_split"] = answer["output_ids"]
+            row["oracle"] = S.generate(oracle.url, ids, NEW_TOKENS, timeout_s=300)["output_ids"]
+            row["equal"] = row["layer_split"] == row["oracle"] and len(row["oracle"]) > 0
+            if name == "radix: hit":
+                row["cached_tokens"] = max(_cached_tokens_since(ls, mark), default=0)
+                row["equal"] = row["equal"] and row["cached_tokens"] >= 2 * page
+        except Exception:  # noqa: BLE001 -- recorded, the run goes on
+            row.update(equal=False, error=traceback.format_exc(limit=3))
+        row["seconds"] = round(time.monotonic() - t0, 1)
+        out["requests"].append(row)
+    out["capacity"] = demo.capacity(ls)
+    if long_prompt_tokens:
+        message = demo.refusal(ls, S.prompt_ids(long_prompt_tokens, seed=31), timeout_s=120)
+        out["long_prompt"] = {"tokens": long_prompt_tokens, "refused": message is not None, "message": message,
+                              "ok": message is not None and long_prompt_tokens > per_rank}  # fmt: skip
+    return out
+
+
+def counted_traffic(cluster, kv: str, cp: int, pool_rows: int, layers: int) -> dict:
+    """Per prefill and CP rank, each extend forward's counted KV bytes against traffic.py's: layer
+    split's owner broadcasts, the flag's history gather (an all-gather's output: bus bytes / ((N-1)/N))."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
+    import traffic
+
+    from helpers import collective_counter as C
+
+    row_kind = "fp8" if kv == "fp8_e4m3" else "bf16"
+    sites = {"layer_split": ("broadcast", "sglang.srt.mem_cache.dsa_cache_layer_split", "owner broadcast"),
+             "shared": ("all_gather", "sglang.srt.mem_cache.page_interleave_pool", "history all-gather")}  # fmt: skip
+    out = {}
+    for name, (op, site, term) in sites.items():
+        rows = []
+        for report in C.read_reports(os.environ[C.ENV], cluster.servers[name].ports[0]):
+            for f in report["forwards"]:
+                if f.get("mode") != "EXTEND":
+                    continue
+                batch = traffic.Batch(tuple(zip(f["extend_lens"], f["prefix_lens"])))
+                terms = [
+                    t for t in traffic.kv_terms(name, cp, row_kind, layers, batch, pool_rows) if t.name.startswith(term)
+                ]
+                scale = 1 if op == "broadcast" else (cp - 1) / cp
+                formula = round(sum(t.forward_bus_bytes for t in terms) / scale)
+                counted = sum(c["bytes"] for c in f["calls"] if c["op"] == op and c["site"].startswith(site))
+                rows.append({"rank": report["attn_cp_rank"], "batch": batch.requests, "counted": counted,
+                             "formula": formula})  # fmt: skip
+        out[name] = {"forwards": rows, "exact": bool(rows) and all(r["counted"] == r["formula"] for r in rows)}
+    return out
+
+
 def run_config(result: dict, args) -> None:
     """Fills `result` (kv_cache_dtype, cp) as it goes, so a run cut short still reports what it did."""
     from helpers import demo
@@ -205,6 +280,8 @@ def run_config(result: dict, args) -> None:
         cfg = S.MODEL if args.model == "toy" else glm5_shaped.tiny()
         context, vocab = cfg["max_position_embeddings"], cfg["vocab_size"]
     result["workdir"] = str(cluster.workdir)
+    if args.layer_split:
+        cluster.roles = (*cluster.roles, "layer_split")
     try:
         say("starting the servers")
         with contextlib.ExitStack() as turn, cluster.running(timeout_s=args.startup_timeout_s):
@@ -218,6 +295,11 @@ def run_config(result: dict, args) -> None:
                 say(f"long prompt: {length} tokens")
                 result["long_prompt"] = long_prompt(cluster, S, length, top_logprobs, vocab)
                 say(f"long prompt: {'ok' if result['long_prompt']['ok'] else 'FAILED'}")
+            if args.layer_split:
+                long_tokens = min(args.long_prompt, cp * per_rank - 4 * chunk) if args.device == "cuda" else 0
+                result["layer_split"] = layer_split_check(cluster, S, page, chunk, per_rank, long_tokens)
+                layers = (spec.config if args.device == "cuda" else cfg)["num_hidden_layers"]
+                result["traffic"] = counted_traffic(cluster, kv, cp, per_rank, layers)
             result["stand_ins"] = {name: _stand_ins(p) for name, p in cluster.servers.items()}
     except Exception as e:  # noqa: BLE001 -- what failed goes to the table (which server, its log's end), all to JSON
         result["error"] = traceback.format_exc(limit=4)
@@ -232,7 +314,10 @@ def _stand_ins(server) -> list[str]:
 def verdict(r: dict) -> bool:
     reqs_ok = bool(r.get("requests")) and all(q.get("equal") for q in r["requests"])
     long_ok = r.get("long_prompt", {"ok": True})["ok"]
-    return "error" not in r and reqs_ok and long_ok
+    ls = r.get("layer_split", {"requests": [{"equal": True}]})
+    ls_ok = all(q.get("equal") for q in ls["requests"]) and ls.get("long_prompt", {"ok": True})["ok"]
+    traffic_ok = all(t["exact"] for t in r.get("traffic", {}).values())
+    return "error" not in r and reqs_ok and long_ok and ls_ok and traffic_ok
 
 
 def print_table(results: list[dict]) -> None:
@@ -257,6 +342,19 @@ def print_table(results: list[dict]) -> None:
             print(f"  long prompt {lp['tokens']} tokens: replicated {lp['replicated'][:160]!r}; shared "
                   f"{'= oracle' if lp['shared'] == lp['oracle'] else 'DIFFERS'} ({lp['shared_seconds']} s)"
                   + (f"; vs oracle: {_oracle_line(lp['shared_vs_oracle'])}" if "shared_vs_oracle" in lp else ""))  # fmt: skip
+        if "layer_split" in r:
+            ls = r["layer_split"]
+            same = sum(bool(q.get("equal")) for q in ls["requests"])
+            print(f"  layer split: {same}/{len(ls['requests'])} cases = oracle; logical capacity "
+                  f"{ls['capacity']['logical_tokens']} tokens, pool rows per rank {ls['capacity']['pool_rows']}")  # fmt: skip
+            if "long_prompt" in ls:
+                print(
+                    f"  layer split, long prompt {ls['long_prompt']['tokens']} tokens: {ls['long_prompt']['message']!r}"
+                )
+        for name, t in r.get("traffic", {}).items():
+            sums = [(f["counted"], f["formula"]) for f in t["forwards"]]
+            print(f"  {name}: KV bytes per forward counted = formula: {t['exact']} over {len(sums)} rank-forwards "
+                  f"(counted, formula: {sums[:6]}{' ...' if len(sums) > 6 else ''})")  # fmt: skip
         used = sorted({u for names in r["stand_ins"].values() for u in names})
         print(f"  GPU stand-ins used: {len(used)}" + "".join(f"\n    {u}" for u in used))
 
@@ -357,6 +455,8 @@ def main(argv=None) -> int:
     p.add_argument("--at-once", type=int, default=2, help="configurations running side by side (default 2)")
     p.add_argument("--deadline-s", type=float, default=3000, help="report what finished by then, and stop")
     p.add_argument("--out", default="benchmark/results")
+    p.add_argument("--layer-split", action="store_true", help="add SGLang's layer split prefill beside the flag "
+                   "(--enable-dsa-cache-layer-split) and count both prefills' collectives per forward")  # fmt: skip
     args = p.parse_args(argv)
     gpu = args.device == "cuda"
     args.configs = args.configs or ((GLM5_CONFIGS if args.model == "glm5-shaped" else GPU_CONFIGS) if gpu
@@ -385,6 +485,10 @@ def main(argv=None) -> int:
               f"({'fits' if plan['fits'] else 'does NOT fit: use --at-once 1'}); per configuration "
               + ", ".join(f"{c} {e['steady_gib']} GiB" for c, e in plan["per_config"].items()), flush=True)  # fmt: skip
         args.checkpoint = _write_checkpoint_once(args.model, t0)
+    if args.layer_split:  # every scheduler writes its counts here (test/helpers/collective_counter.py)
+        from helpers import collective_counter
+
+        os.environ[collective_counter.ENV] = tempfile.mkdtemp(prefix="collectives_")
     results = [{"kv_cache_dtype": kv, "cp": cp} for kv, cp in configs]
     slots = threading.Semaphore(args.at_once)
 

@@ -1,4 +1,4 @@
-"""CPU, ~5 s: the GPU server harness's set-up (test/helpers/sglang_gpu_servers.py and
+"""CPU, ~5-12 s (the traffic comparison imports SGLang): the GPU server harness's set-up (test/helpers/sglang_gpu_servers.py and
 sglang_gpu_server_stand_ins.py), checked without a GPU: what `scripts/gpu_run.sh server` runs
 on the H200 must compare like with like and put every rank on GPU 0 as its own NCCL host."""
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=5, suite="nsa-cp-test-cpu-unit")
+register_cpu_ci(est_time=12, suite="nsa-cp-test-cpu-unit")
 
 
 def _arg(args: list[str], flag: str) -> str:
@@ -27,6 +27,52 @@ def test_both_prefills_get_the_same_kv_bytes_per_rank_and_only_shared_has_the_fl
     assert "--enable-nsa-prefill-cp-shared-kv" in shared, f"{cp=}"
     assert "--enable-nsa-prefill-cp-shared-kv" not in replicated, f"{cp=}"
     assert _arg(shared, "--attn-cp-size") == _arg(replicated, "--attn-cp-size") == str(cp), f"{cp=}"
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_layer_split_is_the_replicated_prefill_plus_sglangs_flag(cp):
+    """sglang_server_check.py --layer-split: SGLang's layer split beside the flag at the same rows per rank."""
+    from helpers import sglang_gpu_servers as GS
+
+    roles = GS.roles(cp)
+    assert roles["layer_split"][0] == roles["replicated"][0] + ["--enable-dsa-cache-layer-split"], f"{cp=}"
+    assert roles["layer_split"][1], "a PD prefill needs its bootstrap port"
+
+
+def _report(tmp_path, port, rank, forwards):
+    import json
+
+    (tmp_path / f"collectives-{port}{rank}.json").write_text(json.dumps(
+        {"port": port, "rank": rank, "attn_cp_rank": rank, "attn_cp_size": 2, "forwards": forwards, "outside": {}}))  # fmt: skip
+
+
+def test_server_check_compares_counted_bytes_with_the_formula(tmp_path, monkeypatch):
+    """The check's comparison (`counted_traffic`) on reports as the counter writes them: a forward
+    whose bytes are the formula's is exact, one broadcast short is not."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(os.path.join(os.path.dirname(__file__), "..", "..", "scripts")))
+    import sglang_server_check as check
+
+    from helpers import collective_counter as C
+
+    monkeypatch.setenv(C.ENV, str(tmp_path))
+    rows, page = 1024, 64
+    broadcast = 2 * ((rows + page) * 1152 + (rows + page + 1) // page * page * 132)  # 2 layers, bf16
+    site = "sglang.srt.mem_cache.dsa_cache_layer_split:_broadcast_tensor_from_owner"
+    history = 2 * 2 * page * (1152 + 132)  # 2 layers, 2 pages (one each rank) of 128 cached tokens
+    gather_site = "sglang.srt.mem_cache.page_interleave_pool:_prefetch_layer"
+    for rank in (0, 1):
+        short = broadcast - (1 if rank else 0)
+        _report(tmp_path, 1, rank, [{"mode": "EXTEND", "extend_lens": [40], "prefix_lens": [0],
+                                     "calls": [{"op": "broadcast", "bytes": short, "site": site}]}])  # fmt: skip
+        _report(tmp_path, 2, rank, [{"mode": "EXTEND", "extend_lens": [40], "prefix_lens": [128],
+                                     "calls": [{"op": "all_gather", "bytes": history, "site": gather_site}]}])  # fmt: skip
+    cluster = SimpleNamespace(servers={"layer_split": SimpleNamespace(ports=[1]), "shared": SimpleNamespace(ports=[2])})
+    out = check.counted_traffic(cluster, "bfloat16", 2, rows, 2)
+    assert out["shared"]["exact"], out["shared"]
+    assert not out["layer_split"]["exact"], "rank 1's broadcast is one byte short"
+    assert [f["counted"] - f["formula"] for f in out["layer_split"]["forwards"]] == [0, -1]
 
 
 def test_the_long_prompt_fits_the_shared_pool_at_cp4_but_not_one_rank():

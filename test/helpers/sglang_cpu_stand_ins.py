@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import importlib.machinery
 import inspect
+import os
 import sys
 import textwrap
 import types
@@ -299,6 +300,16 @@ def install_server_stand_ins():
     # pinned host tensor and records a torch.cuda.Event; False selects its other branch, the
     # plain `kv_to_page_indices` that every sharded / all-CP-ranks transfer takes.
     MooncakeKVSender.supports_host_tensor_indices = False
+    from sglang.srt.mem_cache.dsa_cache_layer_split import LayerSplitDSATokenToKVPool
+
+    # Layer split's owner broadcast takes the attention-CP group's PyNccl communicator whenever it is
+    # not None; on CPU SGLang builds one that is unavailable (no NCCL: no `device`, "has no attribute
+    # 'device'"), where GroupCoordinator.broadcast checks `disabled`. Its own torch.distributed
+    # fallback (gloo over the group's CPU group) then runs instead.
+    if not getattr(LayerSplitDSATokenToKVPool._broadcast_tensor_from_owner, "_cpu_stand_in", False):
+        _patch_source(LayerSplitDSATokenToKVPool, "_broadcast_tensor_from_owner", "if comm is not None:",
+                      "if comm is not None and comm.available:")  # fmt: skip
+        LayerSplitDSATokenToKVPool._broadcast_tensor_from_owner._cpu_stand_in = True
 
 
 def _bytes_at(address: int, nbytes: int) -> torch.Tensor:
@@ -369,6 +380,10 @@ def register():
     sys.modules.setdefault("soundfile", soundfile)
     install_process_stand_ins()
     install_server_stand_ins()
+    if os.environ.get("NSA_CP_TEST_COUNT_COLLECTIVES"):  # a test counting every forward's collectives
+        from helpers import collective_counter
+
+        collective_counter.install_in_server(os.environ[collective_counter.ENV])
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner.load_model", _patch_loaded_model, HookType.AFTER
     )

@@ -62,6 +62,10 @@ def register():
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner.load_model", _pin_loaded_model, HookType.AFTER
     )
+    if os.environ.get("NSA_CP_TEST_COUNT_COLLECTIVES"):  # sglang_server_check.py --layer-split counts them
+        from helpers import collective_counter
+
+        collective_counter.install_in_server(os.environ[collective_counter.ENV])
 
 
 install()

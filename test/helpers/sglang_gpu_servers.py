@@ -97,6 +97,8 @@ def roles(cp: int, spec: ModelSpec = MODELS["toy"]) -> dict[str, tuple[list[str]
     return {
         "shared": (cp_args + ["--enable-nsa-prefill-cp-shared-kv"], True),
         "replicated": (cp_args, True),
+        # SGLang's own layer split beside the flag (sglang_server_check.py --layer-split): the same rows per rank
+        "layer_split": (cp_args + ["--enable-dsa-cache-layer-split"], True),
         "decode": (
             S.PD_ARGS
             + [

@@ -347,6 +347,10 @@ FP8_PREFILL_ARGS = FP8_KV_ARGS + ["--dsa-prefill-backend", "flashmla_sparse"]
 ROLES["fp8_shared"] = (ROLES["shared"][0] + FP8_PREFILL_ARGS, True)
 ROLES["fp8_replicated"] = (ROLES["replicated"][0] + FP8_PREFILL_ARGS, True)
 ROLES["fp8_decode"] = (ROLES["decode"][0] + FP8_KV_ARGS, False)
+# SGLang's own layer split (`--enable-dsa-cache-layer-split`, test_sglang_server_layer_split.py): the
+# replicated prefill plus the flag; each CP rank keeps its layers' KV and one layer's remote scratch,
+# at the same --max-total-tokens per rank (SGLang sizes the pool in rows of a rank, not in logical tokens)
+ROLES["layer_split"] = (ROLES["replicated"][0] + ["--enable-dsa-cache-layer-split"], True)
 for _flavour in ("shared", "replicated"):  # per-rank token counts for the same logical capacity
     _per_rank = HICACHE_DEVICE_TOKENS // CP if _flavour == "shared" else HICACHE_DEVICE_TOKENS
     ROLES[f"hicache_{_flavour}"] = (ROLES[_flavour][0] + HICACHE_ARGS + ["--max-total-tokens", str(_per_rank)], True)
