@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -116,7 +118,11 @@ def main() -> None:
     )
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "bench_scratch_bytes.json"
-    path.write_text(json.dumps(dict(machine=machine, results=rows), indent=1) + "\n")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from provenance import provenance
+
+    model = f"SGLang's DSA pool on CPU (no weights): KV bytes per token per layer {bpt}, {args.layers} layers"
+    path.write_text(json.dumps(dict(provenance=provenance(model), machine=machine, results=rows), indent=1) + "\n")
     print(f"\nwrote {path}")
 
 

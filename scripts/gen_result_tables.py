@@ -130,6 +130,95 @@ def ttft_projection(raw: dict) -> str:
     return "\n".join(lines) + "\n\nTTFT in seconds, one request alone on the node, mid (low-high): a PROJECTION."
 
 
+def alternatives(raw: dict) -> str:
+    """One sentence per alternative at W = 8, fp8, HiCache off, cache-aware routing: capacity and
+    hits from the trace replay (`raw`), KV bytes per forward, and the projected TTFT of one request
+    alone (bench_ttft_projection.json) for a cold 32k / 128k prompt and a 128k prompt cached but 8k."""
+    ttft = load("bench_ttft_projection.json")
+    rows = [r for r in raw["rows"] if r["width"] == 8 and r["kv_dtype"] == "fp8" and not r["hicache"]
+            and r["routing"] in ("-", "cache_aware") and r.get("scratch_contexts") in (None, 1)]  # fmt: skip
+
+    def arm(path, dispatch="-"):
+        mine = {r["nodes"]: r for r in rows if (r["path"], r["dp_dispatch"]) == (path, dispatch)}
+        return mine, next(iter(mine.values()))
+
+    def hits(mine):
+        return "/".join(f"{100 * mine[k]['prefix_hit_fraction']:.1f}" for k in sorted(mine)) + " %"
+
+    def t(path, prompt, cached):
+        r = next(r for r in ttft["rows"] if r["path"] == path and r["prompt"] == prompt and (r["cached"] > 0) == cached
+                 and (r["width"] == 8 or path == "tp"))  # fmt: skip
+        return "refused" if r["refused"] else f"{r['ttft_s']:.2f} s"
+
+    def times(path):
+        return f"{t(path, 32768, False)} / {t(path, 131072, False)} / {t(path, 131072, True)}"
+
+    nodes = "/".join(str(k) for k in sorted(arm("shared")[0]))
+    flag, f1 = arm("shared")
+    lines = [
+        f"Hits on {nodes} nodes; projected TTFT of one request alone: cold 32k / cold 128k / 128k with all but "
+        f"8k cached. The flag: {f1['capacity_tokens_per_node']:,} tokens a node, hits {hits(flag)}, "
+        f"{f1['kv_bytes_per_forward'] / 1e9:.2f} GB of KV moved per forward by the busiest rank, TTFT {times('shared')}.",
+    ]
+    for path, dispatch, name in (("layer_split", "-", "SGLang's layer split"),
+                                 ("dp_attention", "dp_aware", "DP attention, router --dp-aware"),
+                                 ("dp_attention", "bootstrap_room", "DP attention, SGLang's default dispatch"),
+                                 ("tp", "-", "plain --tp 8"), ("replicated", "-", "replicated CP")):  # fmt: skip
+        mine, one = arm(path, dispatch)
+        cap = (f"{one['capacity_tokens_per_node']:,}" if one["radix_caches"] == one["nodes"]
+               else f"{one['radix_caches'] // one['nodes']} x {one['pool_tokens']:,}")  # fmt: skip
+        ratio = f1["capacity_tokens_per_node"] / one["capacity_tokens_per_node"]
+        lines.append(f"- {name}: {cap} tokens a node ({ratio:.2f} x less than the flag), hits {hits(mine)}, "
+                     f"{one['kv_bytes_per_forward'] / 1e9:.2f} GB per forward, TTFT {times(path)}.")  # fmt: skip
+    return "\n".join([*lines, "", "TTFT: " + source_line("bench_ttft_projection.json", ttft)])
+
+
+# The README's claims and the results file each rests on: (row, claim, file, measured or projected).
+EVIDENCE = (
+    ("E1", "GLM-5 layer compute terms at real shapes", "bench_glm5_layer_1xh200.json", "measured, 1 x H200"),
+    ("E2", "capacity, hits and KV per forward of every arm", "bench_trace_replay.json",
+     "replayed on CPU (SGLang's sizing, the Mooncake trace)"),
+    ("E3", "prefill TTFT of every arm on 8 x H200", "bench_ttft_projection.json",
+     "projected from E1 and NVLink bus bandwidths"),
+    ("E4", "SGLang's forward: shared = replicated bit for bit, CP 2 and 4, bf16 and fp8", "gpu_suite_1xh200.log",
+     "measured, 1 x H200 (ranks share the GPU)"),
+    ("E5", "real servers at GLM-5's attention shapes, CP 4, bf16", "sglang_server_check_glm5_shaped_bf16_1xh200.json",
+     "measured, 1 x H200"),
+    ("E6", "real servers at GLM-5's attention shapes, CP 4, fp8", "sglang_server_check_glm5_shaped_fp8_1xh200.json",
+     "measured, 1 x H200"),
+    ("E7", "real servers, toy model, CP 2 and 4, bf16 and fp8", "sglang_server_check_1xh200_run7.json",
+     "measured, 1 x H200"),
+    ("E8", "the fused fp8 store against SGLang's pool write", "bench_kernels.json", "measured, 1 x H200"),
+    ("E9", "the gather scratch SGLang reserves and the flag's", "bench_scratch_bytes.json", "SGLang's CPU pools"),
+)  # fmt: skip
+
+
+def _provenance_of(name: str) -> dict | None:
+    path = os.path.join(RESULTS, name)
+    if name.endswith(".json"):
+        return load(name).get("provenance")
+    with open(path) as f:
+        first = f.readline()
+    return json.loads(first.split(":", 1)[1]) if first.startswith("# provenance:") else None
+
+
+def evidence(_raw: dict) -> str:
+    """One row per README claim: its results file, and the commit, machine and model it records."""
+    lines = ["| row | claim | results file | commit | machine | model | kind |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for row, claim, name, kind in EVIDENCE:
+        p = _provenance_of(name)
+        if p is None:
+            commit = machine = model = "not recorded (the file predates provenance)"
+        else:
+            commit = p["commit"][:10] + (" + uncommitted changes" if p.get("dirty") else "")
+            m = p["machine"]
+            machine = ", ".join(m.get("gpus") or [m["cpu"]])
+            model = p["model"] if isinstance(p["model"], str) else " ".join(map(str, next(iter(p["model"].items()))))
+        lines.append(f"| {row} | {claim} | `benchmark/results/{name}` | {commit} | {machine} | {model} | {kind} |")
+    return "\n".join(lines)
+
+
 # name -> (results file, renderer of its table, the command that writes the file: "not run yet" until it
 # exists with the fields the renderer reads)
 BLOCKS: dict[str, tuple[str, Callable[[dict], str], str | None]] = {
@@ -140,6 +229,12 @@ BLOCKS: dict[str, tuple[str, Callable[[dict], str], str | None]] = {
         "bash scripts/gpu_run.sh layer (on 1 x H200), then copy $OUT/bench_glm5_layer_1xh200.json to benchmark/results/",
     ),
     "trace_replay_arms": ("bench_trace_replay.json", trace_replay_arms, "python benchmark/bench_trace_replay.py"),
+    "evidence": ("bench_trace_replay.json", evidence, None),
+    "alternatives": (
+        "bench_trace_replay.json",
+        alternatives,
+        "python benchmark/bench_trace_replay.py; python benchmark/bench_ttft_projection.py",
+    ),
     "ttft_projection": (
         "bench_ttft_projection.json",
         ttft_projection,
