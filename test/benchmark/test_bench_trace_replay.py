@@ -323,10 +323,10 @@ def test_cli_writes_rows_json_and_plot(tmp_path):
     _tiny_trace(trace)
     run_ = _bench("--trace", str(trace), "--out", str(tmp_path), "--widths", "8", "--nodes", "1,2",
                   "--routing", "sticky", "--paths", "replicated,shared,dp_attention", "--dp-dispatch", "dp_aware",
-                  "--jobs", "1", "--no-progress")  # fmt: skip
+                  "--jobs", "1", "--no-progress", "--no-ttft")  # fmt: skip
     assert run_.returncode == 0, run_.stderr[-3000:]
     assert run_.stdout.startswith("machine: ") and "TTFT p50 s" in run_.stdout, run_.stdout
-    assert "TTFT not projected" in run_.stdout  # no layer terms in this tree yet
+    assert "TTFT not projected" in run_.stdout  # --no-ttft: capacity, hits and bytes only
     raw = json.loads((tmp_path / "bench_trace_replay.json").read_text())
     arms = [(r["path"], r["hicache"], r["nodes"], r["routing"]) for r in raw["rows"]]
     assert arms == [(p, h, k, rt) for p, k1 in (("replicated", "-"), ("shared", "-"), ("dp_attention", "sticky"))
