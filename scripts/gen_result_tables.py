@@ -169,7 +169,7 @@ def alternatives(raw: dict) -> str:
                else f"{one['radix_caches'] // one['nodes']} x {one['pool_tokens']:,}")  # fmt: skip
         ratio = f1["capacity_tokens_per_node"] / one["capacity_tokens_per_node"]
         lines.append(f"- {name}: {cap} tokens a node ({ratio:.2f} x less than the flag), hits {hits(mine)}, "
-                     f"{one['kv_bytes_per_forward'] / 1e9:.2f} GB per forward, TTFT {times(path)}.")  # fmt: skip
+                     f"{one['kv_bytes_per_forward'] / 1e9:.2f} GB of KV per forward, TTFT {times(path)}.")  # fmt: skip
     return "\n".join([*lines, "", "TTFT: " + source_line("bench_ttft_projection.json", ttft)])
 
 
