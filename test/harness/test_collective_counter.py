@@ -10,9 +10,11 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import json  # noqa: E402
+import sys  # noqa: E402
 import threading  # noqa: E402
 import types  # noqa: E402
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
@@ -100,3 +102,7 @@ def test_pynccl_methods_are_counted_and_the_report_written(tmp_path, monkeypatch
     ]
     assert C.read_reports(tmp_path, port=4321) == []
     assert json.loads((tmp_path / "collectives-1.json").read_text())["attn_cp_rank"] == 1
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

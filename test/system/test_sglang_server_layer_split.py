@@ -193,3 +193,7 @@ def test_long_prompt(cluster):
     print(
         f"{LONG_PROMPT} tokens: layer split refused ({message}); the flag served them in {time.monotonic() - t:.0f} s"
     )
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
