@@ -245,17 +245,17 @@ def environment_problems() -> list[str]:
     return problems
 
 
-def _decode_problems(cfg: Any) -> list[str]:
-    """The flag on a PD decode is its opt-in to shared-KV prefills: what that needs."""
-    problems = []
+def _mooncake_problems(cfg: Any, moves: str) -> list[str]:
+    """Owned pages travel over Mooncake only, and its ports must be confined. `moves`: what this
+    role does with the pages ("ships" on a prefill, "takes" on a decode)."""
     if cfg.disaggregation_transfer_backend != "mooncake":
-        problems.append(
-            f"takes owned pages over Mooncake only, got --disaggregation-transfer-backend "
+        return [
+            f"{moves} owned pages over Mooncake only, got --disaggregation-transfer-backend "
             f"{cfg.disaggregation_transfer_backend}; use --disaggregation-transfer-backend mooncake"
-        )
-    elif not envs.SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED.get():
-        problems += filter(None, [exposure(envs.SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED.name)])
-    return problems
+        ]
+    if not envs.SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED.get():
+        return list(filter(None, [exposure(envs.SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED.name)]))
+    return []
 
 
 def find_problems(server_args: Any) -> list[str]:
@@ -273,7 +273,7 @@ def find_problems(server_args: Any) -> list[str]:
             f"needs a real DSA checkpoint, got --model-path {cfg.model_path}; pass the model or drop {FLAG}"
         ]
     if cfg.disaggregation_mode == "decode":
-        return problems + _decode_problems(cfg)
+        return problems + _mooncake_problems(cfg, "takes")  # the flag on a decode: its opt-in
     problems += _model_problems(server_args)
 
     if not cfg.enable_prefill_cp or cfg.attn_cp_size <= 1:
@@ -304,13 +304,8 @@ def find_problems(server_args: Any) -> list[str]:
             "on this instance would re-gather the whole context every token; add --disaggregation-mode prefill "
             f"and serve decode from a separate non-CP instance started with {FLAG} too"
         )
-    elif cfg.disaggregation_transfer_backend != "mooncake":
-        problems.append(
-            f"ships owned pages over Mooncake only, got --disaggregation-transfer-backend "
-            f"{cfg.disaggregation_transfer_backend}; use --disaggregation-transfer-backend mooncake"
-        )
-    elif not envs.SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED.get():
-        problems += filter(None, [exposure(envs.SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED.name)])
+    else:
+        problems += _mooncake_problems(cfg, "ships")
     if cfg.device != "cuda":
         problems.append(f"runs on CUDA only, got --device {cfg.device}; use --device cuda")
     if cfg.attention_backend != "dsa" or cfg.prefill_attention_backend not in (None, "dsa"):
