@@ -202,7 +202,7 @@ def _provenance_of(name: str) -> dict | None:
     return json.loads(first.split(":", 1)[1]) if first.startswith("# provenance:") else None
 
 
-def evidence(_raw: dict) -> str:
+def evidence() -> str:
     """One row per README claim: its results file, and the commit, machine and model it records."""
     lines = ["| row | claim | results file | commit | machine | model | kind |",
              "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
@@ -219,9 +219,10 @@ def evidence(_raw: dict) -> str:
     return "\n".join(lines)
 
 
-# name -> (results file, renderer of its table, the command that writes the file: "not run yet" until it
+# name -> (results file, or None for a renderer that reads several and names each; renderer of its table;
+# the command that writes the file: "not run yet" until it
 # exists with the fields the renderer reads)
-BLOCKS: dict[str, tuple[str, Callable[[dict], str], str | None]] = {
+BLOCKS: dict[str, tuple[str | None, Callable[..., str], str | None]] = {
     "kernels": ("bench_kernels.json", kernels, None),
     "glm5_layer": (
         "bench_glm5_layer_1xh200.json",
@@ -229,7 +230,7 @@ BLOCKS: dict[str, tuple[str, Callable[[dict], str], str | None]] = {
         "bash scripts/gpu_run.sh layer (on 1 x H200), then copy $OUT/bench_glm5_layer_1xh200.json to benchmark/results/",
     ),
     "trace_replay_arms": ("bench_trace_replay.json", trace_replay_arms, "python benchmark/bench_trace_replay.py"),
-    "evidence": ("bench_trace_replay.json", evidence, None),
+    "evidence": (None, evidence, None),  # many files: each row names its own
     "alternatives": (
         "bench_trace_replay.json",
         alternatives,
@@ -247,6 +248,8 @@ def render(name: str) -> str:
     if name not in BLOCKS:
         raise KeyError(f"no renderer {name!r} in scripts/gen_result_tables.py (known: {', '.join(BLOCKS)})")
     results_file, renderer, command = BLOCKS[name]
+    if results_file is None:
+        return f"{renderer()}\n"
     if command is not None:
         try:
             raw = load(results_file)
