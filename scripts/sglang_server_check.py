@@ -115,16 +115,27 @@ def run_requests(cluster, S, page: int, chunk: int, context: int, top_logprobs: 
 def _with_logprobs(cluster, S, ids, top_logprobs: int) -> dict:
     """The three paths with SGLang's logprobs: shared = replicated bit for bit (the same
     arithmetic), each within ORACLE_LOGPROB_ATOL of the oracle (helpers.logprob_compare)."""
+    import requests
+
     from helpers import logprob_compare as LP
 
     answers = {}
     out = S.three_paths(cluster, ids, NEW_TOKENS, timeout_s=300, extra=LP.logprob_request(top_logprobs),
                         answers=answers)  # fmt: skip
     pos = {path: LP.positions(a) for path, a in answers.items()}
+    # The same request to the oracle again with its radix cache flushed: whether the oracle's own
+    # answer depends on what it had cached (a difference CP cannot be blamed for).
+    single = cluster.servers["single"].url
+    requests.post(single + "/flush_cache", timeout=60).raise_for_status()
+    fresh = S.generate(single, ids, NEW_TOKENS, timeout_s=300, **LP.logprob_request(top_logprobs))
+    pos["oracle_fresh"] = LP.positions(fresh)
+    out["oracle_fresh"] = fresh["output_ids"]
     out["logprobs"] = {
         "shared_vs_replicated": LP.exact(pos["shared"], pos["replicated"]),
         "shared_vs_oracle": LP.against_oracle(pos["shared"], pos["oracle"], ORACLE_LOGPROB_ATOL),
         "replicated_vs_oracle": LP.against_oracle(pos["replicated"], pos["oracle"], ORACLE_LOGPROB_ATOL),
+        "shared_vs_oracle_fresh": LP.against_oracle(pos["shared"], pos["oracle_fresh"], ORACLE_LOGPROB_ATOL),
+        "oracle_fresh_vs_oracle": LP.against_oracle(pos["oracle_fresh"], pos["oracle"], ORACLE_LOGPROB_ATOL),
         "positions": pos,
     }
     lp = out["logprobs"]
@@ -377,7 +388,14 @@ def _logprob_line(q: dict) -> str:
         if lp["shared_vs_replicated"]["equal"]
         else (f"shared != replicated from token {lp['shared_vs_replicated']['first_difference']}")
     )
-    return f"{same}; vs oracle: {_oracle_line(lp['shared_vs_oracle'])}"
+    fresh = lp.get("shared_vs_oracle_fresh")
+    again = (
+        f"; vs the oracle with its cache flushed: {_oracle_line(fresh)}; the oracle against itself (flushed vs "
+        f"not): {_oracle_line(lp['oracle_fresh_vs_oracle'])}"
+        if fresh
+        else ""
+    )
+    return f"{same}; vs oracle: {_oracle_line(lp['shared_vs_oracle'])}{again}"
 
 
 def model_shape(name: str, device: str) -> dict:
