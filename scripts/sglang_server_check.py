@@ -493,6 +493,10 @@ def main(argv=None) -> int:
     if not gpu and configs != [("bfloat16", 2)]:
         p.error(f"--device cpu runs bfloat16:2 only (the CPU servers' roles), got {' '.join(args.configs)}")
     t0 = args.t0 = time.monotonic()
+    if gpu:  # this process imports SGLang's CP helpers (traffic.py): sgl_kernel's op library cannot load here
+        from helpers import gpu_stand_ins
+
+        gpu_stand_ins.install()
     # the clusters write their tokenizers in parallel threads: transformers' lazy import is not thread-safe
     from transformers import PreTrainedTokenizerFast  # noqa: F401
 
