@@ -462,7 +462,7 @@ def _write_checkpoint_once(model: str, t0: float) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--model", choices=("toy", "glm5-shaped"), default="toy",
+    p.add_argument("--model", choices=("toy", "glm5-shaped", "glm5-shaped-dense"), default="toy",
                    help="toy: the 2-layer hidden-64 model; glm5-shaped: GLM-5's attention, indexer and vocabulary, "
                    "1 dense + 2 MoE layers (helpers/glm5_shaped.py; on cpu the same structure at CPU sizes)")  # fmt: skip
     p.add_argument("--configs", nargs="+", help="KV_DTYPE:CP, e.g. fp8_e4m3:4 (default: bf16 and fp8 at CP 2 and 4 "

@@ -62,6 +62,10 @@ class ModelSpec:
 MODELS = {
     "toy": ModelSpec("toy", MODEL, CHUNK_TOKENS, PREFILL_TOKENS_PER_RANK, BIG_POOL_TOKENS, 100_000, 0),
     "glm5-shaped": ModelSpec("glm5-shaped", glm5_shaped.GLM5_SHAPED, 8192, 40960, 140000, 131072, 5),
+    # the same with every layer dense: no expert routing for a rounding difference to flip
+    "glm5-shaped-dense": ModelSpec(
+        "glm5-shaped-dense", glm5_shaped.GLM5_SHAPED | {"first_k_dense_replace": 3}, 8192, 40960, 140000, 131072, 5
+    ),  # fmt: skip
 }
 
 # SGLang's own switches on this machine: multicast off (KINDS.md), the memory-balance check off
