@@ -20,8 +20,8 @@ all-reduce of S bytes: 2 S (n-1)/n; a reduce-scatter of an S-byte input: S (n-1)
   the attention-CP group's PyNccl). The busiest rank receives the layers it does not own.
 - every attention-CP arm (replicated, shared, layer_split; `layers/cp/interleave.py`): per layer,
   the chunk's new latent (576 bf16) and indexer key (128 bf16) all-gathered over the CP group
-  (`materialize_full_mla_kv`, `materialize_full_indexer_k_cache`), padded to N x the longest rank's
-  share, on the compute stream (the key on an alternate stream that the compute stream waits for).
+  (`materialize_full_mla_kv`, `materialize_full_indexer_k_cache`), every rank's block the longest
+  rank's share rounded up to a multiple of N (`physical_rows`), on the compute stream (the key on an alternate stream that the compute stream waits for).
 - hidden states: every layout moves the layer's hidden states around the MoE, which runs over
   all 8 GPUs. Attention CP and DP gather every token to every GPU before it and reduce-scatter
   after (`attn_cp_reduce_scatter_output`, DP's gather / reduce-scatterv): 2 x T x hidden x 2 B x 7/8;
@@ -83,16 +83,23 @@ def _ring(n: int) -> float:
     return (n - 1) / n
 
 
+def physical_rows(tokens: int, cp: int) -> int:
+    """Rows an interleave CP all-gather moves for `tokens`: every rank sends the busiest rank's
+    share rounded up to a multiple of N (SGLang's layers/cp/padding.py `pad_logical_token_to_physical`)."""
+    share = -(-tokens // cp)
+    return cp * (-(-share // cp) * cp)
+
+
 def kv_terms(arm: str, cp: int, kv: str, layers: int, batch: Batch, pool_rows: int) -> list[Term]:
     """The KV collectives of one forward. `pool_rows`: one rank's pool (layer split's broadcast size)."""
     terms = []
     if arm in ("replicated", "shared", "layer_split"):
-        padded = cp * -(-batch.new // cp)
+        padded = physical_rows(batch.new, cp)
         for name, row in (("chunk latent", CHUNK_LATENT_BYTES), ("chunk indexer key", CHUNK_INDEX_KEY_BYTES)):
             out = padded * row
             terms.append(Term(f"{name} all-gather", "all_gather", "layer", layers, out * _ring(cp),
                               layers * out * _ring(cp), "compute",
-                              f"N x ceil(new / N) x {row} B (bf16), (N-1)/N"))  # fmt: skip
+                              f"N x ceil(ceil(new / N) / N) x N x {row} B (bf16), (N-1)/N"))  # fmt: skip
     if arm == "shared":
         _, moved = batch.history_pages(cp)
         row = LATENT_ROW_BYTES[kv] + INDEX_ROW_BYTES
@@ -134,8 +141,8 @@ def hidden_terms(arm: str, cp: int, hidden: int, layers: int, batch: Batch, gpus
         tail = cp * len(batch.requests) * hidden * HIDDEN_BYTES * _ring(cp)
         rule = "the plugin's narrow tail gather: N x requests x hidden"
     elif arm in ("replicated", "layer_split"):
-        tail = cp * -(-t // cp) * hidden * HIDDEN_BYTES * _ring(cp)
-        rule = "every token's last hidden state, N x ceil(T / N) x hidden"
+        tail = physical_rows(t, cp) * hidden * HIDDEN_BYTES * _ring(cp)
+        rule = "every token's last hidden state, N x ceil(ceil(T / N) / N) x N x hidden"
     else:
         tail, rule = 0.0, "none (tokens already where the logits run)"
     if tail:

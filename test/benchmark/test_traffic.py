@@ -98,6 +98,9 @@ def test_cp_chunk_gathers_are_what_sglangs_interleave_strategy_gathers():
     with get_parallel().override(attn_cp_size=n, attn_cp_rank=rank, attn_cp_group=SimpleNamespace(world_size=n)), \
             mock.patch.object(interleave, "attn_cp_all_gather_into_tensor", record), \
             mock.patch.object(torch.cuda, "current_stream", lambda *a: None):  # fmt: skip
+        from sglang.srt.layers.cp.padding import pad_logical_token_to_physical
+
+        pad_logical_token_to_physical(batch.attn_cp_metadata)  # as SGLang's CP set-up does before the forward
         strategy = interleave.InterleaveCPStrategy(n)
         bf16 = dict(dtype=torch.bfloat16)
         strategy.materialize_full_mla_kv(batch, None, torch.zeros(per[rank], 1, 512, **bf16),

@@ -82,13 +82,6 @@ def _forwards(cluster, prefill: str) -> list[list[dict]]:
 CHUNK_ROW_BYTES = traffic.CHUNK_LATENT_BYTES + traffic.CHUNK_INDEX_KEY_BYTES
 
 
-def _physical_rank_rows(tokens: int) -> int:
-    """Rows of one rank in SGLang's interleave all-gathers: the busiest rank's share rounded up to a
-    multiple of N (layers/cp/padding.py `pad_logical_token_to_physical`)."""
-    share = -(-tokens // S.CP)
-    return -(-share // S.CP) * S.CP
-
-
 def _bytes(forward: dict, op: str, site: str) -> int:
     return sum(c["bytes"] for c in forward["calls"] if c["op"] == op and c["site"].startswith(site))
 
@@ -159,15 +152,14 @@ def test_counted_bytes_per_forward_equal_the_formula(cluster, prefill):
                 continue
             assert len(cp_calls) == 2 * layers + 1, f"{where}: {cp_calls}"
             formula = round(sum(t.forward_bus_bytes for n, t in terms.items() if n.startswith("chunk")) / ring)
-            rows = S.CP * _physical_rank_rows(batch.new)
-            assert sum(cp_calls[:-1]) == rows * layers * (CHUNK_ROW_BYTES), f"{where}: chunk all-gathers {cp_calls}"
+            rows = traffic.physical_rows(batch.new, S.CP)
+            assert sum(cp_calls[:-1]) == rows * layers * CHUNK_ROW_BYTES == formula, f"{where}: {cp_calls}, {formula}"
             hidden = S.MODEL["hidden_size"] * traffic.HIDDEN_BYTES
             tails.append((prefill, batch.requests, cp_calls[-1], rows * hidden, forward.get("narrow_tail")))
             if rank == 0 and len(tails) == 1:
                 print(f"{prefill}: the tail gather's callers: {cp_gathers[-1]['stack']}")
             print(
-                f"{where}: chunk all-gathers {sum(cp_calls[:-1])} B counted, traffic.py {formula} B "
-                f"(N x ceil(T / N) rows; SGLang pads each rank to a multiple of N: {rows} rows); tail gather "
+                f"{where}: chunk all-gathers {sum(cp_calls[:-1])} B counted = traffic.py's ({rows} rows); tail gather "
                 f"{cp_calls[-1]} B (every token: {rows * hidden} B; narrow possible: {forward.get('narrow_tail')})"
             )
     if prefill == "shared":
