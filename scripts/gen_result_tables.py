@@ -190,6 +190,8 @@ EVIDENCE = (
      "measured, 1 x H200"),
     ("E8", "the fused fp8 store against SGLang's pool write", "bench_kernels.json", "measured, 1 x H200"),
     ("E9", "the gather scratch SGLang reserves and the flag's", "bench_scratch_bytes.json", "SGLang's CPU pools"),
+    ("E5b", "the same with every layer dense (no expert routing): every case = oracle but for 1-ulp ties, bf16 and "
+     "fp8", "sglang_server_check_glm5_shaped_dense_1xh200.json", "measured, 1 x H200"),
     ("E10", "SGLang's layer split beside the flag in real servers: tokens = oracle, counted KV bytes = formula, "
      "toy model, bf16 CP 2 and fp8 CP 4", "sglang_server_check_layer_split_1xh200.json", "measured, 1 x H200"),
 )  # fmt: skip

@@ -106,9 +106,8 @@ class CollectiveCounter:
                 value = getattr(forward_batch, attr, None)
                 record[key] = [int(v) for v in value] if value is not None else None
             record["return_logprob"] = bool(getattr(forward_batch, "return_logprob", False))
-            record["narrow_tail"] = _narrow_tail_possible(forward_batch)
             if hasattr(forward_batch, "capture_hidden_mode"):  # SGLang's ForwardBatch
-                record["narrow_tail_gates"] = _narrow_tail_gates()
+                record["every_token_tail_because"] = _why_every_token(forward_batch)
         self.current, self.forward_thread = record, threading.get_ident()
 
     def end_forward(self) -> None:
@@ -185,30 +184,17 @@ class CollectiveCounter:
 _COUNTER: CollectiveCounter | None = None
 
 
-def _narrow_tail_gates() -> dict | None:
-    """The plugin's other conditions for its narrow tail gather (`can_gather_narrow`), as this process sees them."""
+def _why_every_token(forward_batch) -> str | None:
+    """The plugin's reason, at the forward's start, to gather every token's hidden state for the
+    logits (None: its narrow tail gather applies); "no plugin" outside a plugin's process."""
     try:
-        from sglang.srt.layers.cp.base import is_interleave
-        from sglang.srt.runtime_context import get_parallel
+        import torch
 
-        from sglang_nsa_cp.sglang_ext.server_args import is_enabled
+        from sglang_nsa_cp.sglang_ext.layers.cp.utils import why_every_token
 
-        return {"is_enabled": bool(is_enabled()), "is_interleave": bool(is_interleave()),
-                "attn_dp_size": int(get_parallel().attn_dp_size)}  # fmt: skip
-    except Exception as e:  # noqa: BLE001 -- a diagnostic field
-        return {"error": repr(e)}
-
-
-def _narrow_tail_possible(forward_batch) -> bool | None:
-    """The plugin's own test of the batch for its narrow tail gather (None without the plugin)."""
-    if not hasattr(forward_batch, "capture_hidden_mode"):  # not SGLang's ForwardBatch
-        return None
-    try:
-        from sglang_nsa_cp.sglang_ext.layers.cp.utils import needs_only_last_tokens
-
-        return bool(needs_only_last_tokens(forward_batch))
-    except Exception:  # noqa: BLE001 -- a diagnostic field: a batch it cannot read records None
-        return None
+        return why_every_token(torch.empty(0), forward_batch)
+    except Exception as e:  # noqa: BLE001 -- a diagnostic field: a batch it cannot read records the error
+        return f"unreadable: {e!r}"
 
 
 def _around_forward(original, runner, *args, **kwargs):

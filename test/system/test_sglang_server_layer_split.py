@@ -44,6 +44,7 @@ SITES = {
     "layer split's owner broadcast": "sglang.srt.mem_cache.dsa_cache_layer_split",
     "the flag's history gather": "sglang.srt.mem_cache.page_interleave_pool",
     "CP's chunk all-gathers": "sglang.srt.layers.dp_attention:attn_cp_all_gather_into_tensor",  # from interleave
+    "the narrow tail gather": "sglang_nsa_cp.comm",
 }
 REFUSAL = re.compile(r"Input length \((\d+) tokens\) exceeds the maximum allowed length \((\d+) tokens\)")
 
@@ -145,7 +146,7 @@ def test_counted_bytes_per_forward_equal_the_formula(cluster, prefill):
             # CP's own all-gathers (interleave): 2 a layer (the chunk's latent and indexer key), then
             # the hidden states for the logits, none when SGLang runs the batch without CP (T < N)
             cp_gathers = [c for c in forward["calls"] if c["op"] == "all_gather"
-                          and c["site"].startswith(SITES["CP's chunk all-gathers"])]  # fmt: skip
+                          and c["site"].startswith((SITES["CP's chunk all-gathers"], SITES["the narrow tail gather"]))]  # fmt: skip
             cp_calls = [c["bytes"] for c in cp_gathers]
             if batch.new < S.CP:
                 assert not cp_calls, f"{where}: SGLang's interleave CP does not apply below N tokens: {cp_calls}"
@@ -154,19 +155,18 @@ def test_counted_bytes_per_forward_equal_the_formula(cluster, prefill):
             formula = round(sum(t.forward_bus_bytes for n, t in terms.items() if n.startswith("chunk")) / ring)
             rows = traffic.physical_rows(batch.new, S.CP)
             assert sum(cp_calls[:-1]) == rows * layers * CHUNK_ROW_BYTES == formula, f"{where}: {cp_calls}, {formula}"
+            # the tail: the flag's narrow gather (N x requests rows) unless the plugin names why not
             hidden = S.MODEL["hidden_size"] * traffic.HIDDEN_BYTES
-            tails.append((prefill, batch.requests, cp_calls[-1], rows * hidden, forward.get("narrow_tail")))
-            if rank == 0 and len(tails) == 1:
-                print(f"{prefill}: the tail gather's callers: {cp_gathers[-1]['stack']}")
-            print(
-                f"{where}: chunk all-gathers {sum(cp_calls[:-1])} B counted = traffic.py's ({rows} rows); tail gather "
-                f"{cp_calls[-1]} B (every token: {rows * hidden} B; narrow possible: {forward.get('narrow_tail')})"
-            )
+            because = forward["every_token_tail_because"] if prefill == "shared" else "SGLang's own gather"
+            expected = rows * hidden if because else S.CP * len(batch.requests) * hidden
+            tails.append((batch.requests, cp_calls[-1], because))
+            assert cp_calls[-1] == expected, f"{where}: tail gather {cp_calls[-1]} B, expected {expected} B ({because})"
+            print(f"{where}: chunk all-gathers {sum(cp_calls[:-1])} B = traffic.py's ({rows} rows); tail gather "
+                  f"{cp_calls[-1]} B (every token because: {because})")  # fmt: skip
     if prefill == "shared":
         assert seen_history > 0, "the 3-chunk prompt and the radix hit must gather history"
-    else:  # layer split gathers every token's last hidden state (SGLang's cp_gather_after_forward)
-        assert all(counted == full for _, _, counted, full, _ in tails), tails
-    print(f"{prefill}: tail gathers (arm, batch, counted B, every token's B, narrow possible): {tails}")
+        assert any(because is None for *_, because in tails), f"the narrow tail gather never ran: {tails}"
+    print(f"{prefill}: tail gathers (batch, counted B, every token because): {tails}")
 
 
 def test_long_prompt(cluster):

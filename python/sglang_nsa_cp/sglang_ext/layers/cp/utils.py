@@ -18,41 +18,48 @@ under SGLang's interleave split (test/comm/test_tail.py checks it against SGLang
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from sglang_nsa_cp.comm import gather_last_token_hidden, plan_tail
 from sglang_nsa_cp.sglang_ext.server_args import is_enabled
 
 _PLAN_ATTR = "_nsa_cp_tail_plan"
+logger = logging.getLogger(__name__)
 
 
-def needs_only_last_tokens(forward_batch) -> bool:
-    """True when the logits processor will read only each request's last hidden row."""
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
-
-    return (
-        forward_batch.forward_mode == ForwardMode.EXTEND
-        and not forward_batch.return_logprob
-        and forward_batch.capture_hidden_mode == CaptureHiddenMode.NULL
-        and forward_batch.spec_info is None
-        and getattr(forward_batch, "multi_item_delimiter_indices", None) is None
-        and getattr(forward_batch, "token_indices_to_pool", None) is None
-        and not getattr(forward_batch, "attn_tp_sequence_sharded", False)
-        and getattr(forward_batch, "mm_input_embeds", None) is None
-    )
-
-
-def can_gather_narrow(x, forward_batch) -> bool:
+def why_every_token(x, forward_batch) -> str | None:
+    """Why this batch's tail must gather every token's hidden state (SGLang's own gather), or None
+    when each request's last row is all the logits processor reads."""
     from sglang.srt.layers.cp.base import is_interleave
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
     from sglang.srt.runtime_context import get_parallel
 
-    return (
-        is_enabled()
-        and isinstance(x, torch.Tensor)
-        and is_interleave()
-        and get_parallel().attn_dp_size == 1
-        and needs_only_last_tokens(forward_batch)
+    checks = (
+        (is_enabled(), "not a shared-KV prefill"),
+        (isinstance(x, torch.Tensor), f"the model body returned {type(x).__name__}, not a tensor"),
+        (is_interleave(), "not the interleave CP strategy"),
+        (get_parallel().attn_dp_size == 1, "DP attention"),
+        (forward_batch.forward_mode == ForwardMode.EXTEND, f"forward mode {forward_batch.forward_mode}"),
+        (not forward_batch.return_logprob, "the batch returns logprobs"),
+        (forward_batch.capture_hidden_mode == CaptureHiddenMode.NULL, "the batch captures hidden states"),
+        (forward_batch.spec_info is None, "speculative decoding"),
+        (getattr(forward_batch, "multi_item_delimiter_indices", None) is None, "multi-item scoring"),
+        (getattr(forward_batch, "token_indices_to_pool", None) is None, "token pooling"),
+        (not getattr(forward_batch, "attn_tp_sequence_sharded", False), "attention-TP sequence sharding"),
+        (getattr(forward_batch, "mm_input_embeds", None) is None, "multimodal input embeddings"),
     )
+    return next((reason for ok, reason in checks if not ok), None)
+
+
+_REPORTED: set[str] = set()
+
+
+def _report_once(reason: str) -> None:
+    if reason not in _REPORTED:
+        _REPORTED.add(reason)
+        logger.info("the narrow tail gather is off for a batch (SGLang's gather runs): %s", reason)
 
 
 def tail_plan(forward_batch, cp_size: int):
@@ -66,7 +73,9 @@ def tail_plan(forward_batch, cp_size: int):
 
 def cp_gather_after_forward(original, x, forward_batch, stream=None):
     """AROUND `cp_gather_after_forward`: only the last-token rows, when that is all the batch needs."""
-    if not can_gather_narrow(x, forward_batch):
+    reason = why_every_token(x, forward_batch)
+    if reason is not None:
+        _report_once(reason)
         return original(x, forward_batch, stream)
     from sglang.srt.runtime_context import get_parallel
 
