@@ -91,7 +91,7 @@ def sglang_pool(tokens: int, n: int, device: torch.device):
     import sglang.kernels.ops.kvcache.set_mla_kv_buffer as set_mla
 
     # SGLang's JIT row store is not built on the GPU machine (a failed build is retried every call):
-    # its Triton store runs, as in the GPU forward harness (docs/sglang_gpu_forward_audit.md, row 8).
+    # its Triton store runs, as in the GPU forward harness (docs/sglang_gpu_forward.md, row 8).
     set_mla.can_use_set_mla_kv_buffer = lambda *a: False
     page_interleave_pool.PyNcclCommunicator = _NoGather
     os.environ["SGLANG_ENABLE_KV_SHARD_ZERO_SM_GATHER"] = "0"  # an NCCL window; no NCCL here

@@ -1,7 +1,7 @@
 """Mooncake's TCP transport, as installed: how many entries one initiator engine may have in flight
 to one peer, and what happens to that peer after a batch over the limit. No SGLang; two
 TransferEngines (TCP, 127.0.0.1) in two processes, `batch_transfer_sync_write` as SGLang's
-MooncakeTransferEngine.batch_transfer_sync calls it. See docs/sglang_cpu_server_pd_concurrent.md.
+MooncakeTransferEngine.batch_transfer_sync calls it. See docs/sglang_cpu_server.md.
 
     .venv/bin/python benchmark/bench_mooncake_tcp_queue.py            # every scenario, a fresh engine pair each
     .venv/bin/python benchmark/bench_mooncake_tcp_queue.py 3000x1 10x1 s30 10x1   # one sequence, one pair

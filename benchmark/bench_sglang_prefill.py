@@ -19,7 +19,7 @@ transport on loopback): a check that the paths run and agree, its times mean not
 The model is SGLang's `GlmMoeDsaForCausalLM` with GLM-5's attention and dense-MLP dimensions,
 `--layers` layers, every one dense, and random weights (test/helpers/sglang_gpu_harness.py);
 attention is FlashMLA's sparse prefill kernel; the other stand-ins are in
-docs/sglang_gpu_forward_audit.md. Cases, as SGLang's scheduler runs them: cold prompts (`--cold`)
+docs/sglang_gpu_forward.md. Cases, as SGLang's scheduler runs them: cold prompts (`--cold`)
 prefilled in chunks of `--chunk` tokens (every chunk after the first has history), and prefix hits
 (`--hit PREFIX:NEW`: a request that shares a cached PREFIX with an earlier one, prefilled untimed,
 and adds NEW tokens). For every case and path it reports the time per chunk, per-layer times (CUDA

@@ -1,7 +1,8 @@
 """The trace replay's cache against SGLang's real servers on CPU, request by request.
 
     python benchmark/validate_trace_replay.py                   # 30 requests; ~30 min on 2 busy cores
-    python benchmark/validate_trace_replay.py --requests 8      # what the CI test runs
+    python benchmark/validate_trace_replay.py --contrast --requests 24   # what the CI test runs:
+        # the requests among the first 24 where the two pools cache differently
 
 A scaled replay: the trace's requests, one 64-token page per 512-token block (each block's tokens
 drawn from its hash id, a partial block's share of the page kept), through SGLang 0.5.23's own PD
@@ -12,6 +13,9 @@ compares SGLang's `meta_info.cached_tokens` with what the replay's cache pass
 (`trace_cache.PagePrefixCache`, SGLang's tree at the server's logical capacity from `/v1/loads`)
 says. The tiny model's context is 1,024 tokens, so only requests of at most 15 blocks are taken,
 and only from conversations with three or more of them (so that turns reuse earlier ones).
+`--contrast` instead takes, from the first --requests, a request whose reused prefix the replay says
+the replicated pool evicts and the shared one keeps, with the request it reuses and the requests
+that evict it (the fewest tokens that do).
 Writes DIR/validate_trace_replay.json: per request and server, both counts.
 """
 
@@ -73,10 +77,37 @@ def simulated_cached_tokens(requests, capacity_tokens: int) -> list[int | None]:
     return out
 
 
-def run(n: int, workdir: Path, progress=print) -> dict:
+def contrast_requests(requests, small_tokens: int, large_tokens: int) -> list:
+    """The fewest tokens of `requests`, in their order, on whose last one a pool of `small_tokens`
+    and one of `large_tokens` cache differently: for each request where the two differ, the
+    requests before it are dropped one at a time, the smallest first, while the difference stays;
+    the set with the fewest tokens wins."""
+
+    def differs(subset):
+        return simulated_cached_tokens(subset, small_tokens)[-1] != simulated_cached_tokens(subset, large_tokens)[-1]
+
+    small, large = simulated_cached_tokens(requests, small_tokens), simulated_cached_tokens(requests, large_tokens)
+    sets = []
+    for last in (i for i in range(len(requests)) if small[i] != large[i]):
+        keep = list(range(last + 1))
+        for k in sorted(range(last), key=lambda k: len(requests[k][1])):
+            if differs([requests[i] for i in keep if i != k]):
+                keep.remove(k)
+        sets.append([requests[i] for i in keep])
+    if not sets:
+        raise ValueError(
+            f"no request of {len(requests)} caches differently at {small_tokens} and {large_tokens} tokens"
+        )
+    return min(sets, key=lambda subset: sum(len(ids) for _, ids in subset))
+
+
+def run(n: int, workdir: Path, progress=print, contrast: bool = False) -> dict:
+    """Serve `n` scaled requests (with `contrast`: the contrast set drawn from the first `n`)."""
     from helpers import sglang_servers as S
 
     requests = scaled_requests(str(ROOT / "benchmark" / "data" / "mooncake_conversation_trace.jsonl.gz"), n)
+    if contrast:  # the pools' nominal sizes; the result's sims use the capacities the servers report
+        requests = contrast_requests(requests, RANK_TOKENS, S.CP * RANK_TOKENS)
     # a loaded 2-core machine takes minutes per request: PD failure detection relaxed to match
     S.SERVER_ENV.update(SGLANG_DISAGGREGATION_WAITING_TIMEOUT="1800", SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE="30")
     for name in PREFILLS:  # the helper's prefills with a smaller pool (a later argument wins)
@@ -101,7 +132,13 @@ def run(n: int, workdir: Path, progress=print) -> dict:
             progress(f"request {i + 1}/{len(requests)} ({len(ids)} tokens): "
                      + ", ".join(f"{name} {real[name][-1]}" for name in PREFILLS)
                      + f"; {time.monotonic() - t0:.0f} s")  # fmt: skip
-    result = {"requests": len(requests), "capacity_tokens": capacity, "per_request": [], "summary": {}}
+    result = {
+        "requests": len(requests),
+        "contrast": contrast,
+        "capacity_tokens": capacity,
+        "per_request": [],
+        "summary": {},
+    }
     sims = {name: simulated_cached_tokens(requests, capacity[name]) for name in PREFILLS}
     for i, (blocks, ids) in enumerate(requests):
         result["per_request"].append({"tokens": len(ids), "blocks": blocks,
@@ -118,13 +155,16 @@ def run(n: int, workdir: Path, progress=print) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=30, help="how many scaled requests (at least 1)")
+    p.add_argument(
+        "--contrast", action="store_true", help="the fewest of the first --requests where the pools cache differently"
+    )
     p.add_argument("--out", default=str(ROOT / "benchmark" / "results"), help="directory for the JSON")
     args = p.parse_args(argv)
     if args.requests < 1:
         print(f"validate_trace_replay.py: error: --requests {args.requests}: must be at least 1", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="trace_validate_") as tmp:
-        result = run(args.requests, Path(tmp), progress=lambda s: print(s, file=sys.stderr, flush=True))
+        result = run(args.requests, Path(tmp), lambda s: print(s, file=sys.stderr, flush=True), args.contrast)
     for name, s in result["summary"].items():
         print(f"{name}: capacity {result['capacity_tokens'][name]} tokens; {s['equal']}/{result['requests']} requests "
               f"equal; cached tokens SGLang {s['sglang_cached_tokens']} vs replay {s['sim_cached_tokens']} "

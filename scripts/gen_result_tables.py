@@ -173,6 +173,23 @@ def alternatives(raw: dict) -> str:
     return "\n".join([*lines, "", "TTFT: " + source_line("bench_ttft_projection.json", ttft)])
 
 
+def scratch(raw: dict) -> str:
+    """The gather scratch at SGLang's eight contexts and the flag's one, per KV dtype and context."""
+    lines = ["| KV | context | SGLang's default, 8 contexts | the flag's default, 1 context | "
+             f"KV of a {raw['results'][0]['layers']}-layer model that the difference holds, per rank |",
+             "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    seen = set()
+    for r in raw["results"]:
+        key = (r["kv_dtype"], r["context"])
+        if key in seen:  # one row per dtype and context (the scratch does not depend on CP)
+            continue
+        seen.add(key)
+        mib = lambda b: f"{b / 2**20:,.0f} MiB"  # noqa: E731
+        lines.append(f"| {r['kv_dtype']} | {r['context'] // 1024}k | {mib(r['sglang_default']['scratch_bytes'])} | "
+                     f"{mib(r['plugin_default']['scratch_bytes'])} | {r['saved_tokens']:,.0f} tokens |")  # fmt: skip
+    return "\n".join(lines)
+
+
 # The README's claims and the results file each rests on: (row, claim, file, measured or projected).
 EVIDENCE = (
     ("E1", "GLM-5 layer compute terms at real shapes", "bench_glm5_layer_1xh200.json", "measured, 1 x H200"),
@@ -234,7 +251,8 @@ BLOCKS: dict[str, tuple[str | None, Callable[..., str], str | None]] = {
         "bash scripts/gpu_run.sh layer (on 1 x H200), then copy $OUT/bench_glm5_layer_1xh200.json to benchmark/results/",
     ),
     "trace_replay_arms": ("bench_trace_replay.json", trace_replay_arms, "python benchmark/bench_trace_replay.py"),
-    "evidence": (None, evidence, None),  # many files: each row names its own
+    "evidence": (None, evidence, None),
+    "scratch": ("bench_scratch_bytes.json", scratch, "python benchmark/bench_scratch_bytes.py"),  # many files: each row names its own
     "alternatives": (
         "bench_trace_replay.json",
         alternatives,

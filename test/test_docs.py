@@ -4,12 +4,16 @@ they are registered.
 Every repository path README.md and docs/*.md name (under python/sglang_nsa_cp/, test/,
 benchmark/, scripts/, docs/, examples/) exists, and every test or benchmark file they name by
 its bare name (`test_*.py`, `bench_*.py`) is in the repository; the exceptions are paths in
-SGLang's own tree and one made-up example, listed below with why. docs/testing.md's suite and
-file tables are what `scripts/gen_test_tables.py` generates from the registrations.
+SGLang's own tree and one made-up example, listed below with why. Every test the documents name
+(`test_x.py::test_y`, or a bare `test_y` in backquotes) is a test function of that file, or of
+some test file. docs/testing.md's suite and file tables are what `scripts/gen_test_tables.py`
+generates from the registrations; every commit, machine and number docs/evidence.md gives for a
+results file appears in that file.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib.util
 import os
@@ -31,6 +35,8 @@ NOT_OURS = {  # path or prefix -> why it does not exist here
     "test/run_suite.py": "SGLang's own runner, in its repository",
     "test/comm/test_new_feature.py": "the made-up file of docs/testing.md's example error message",
 }
+CITED_TEST = re.compile(r"(?<![\w/.-])(test_\w+\.py)::(test_\w+)")
+BARE_TEST = re.compile(r"`(test_\w+)`")  # a bare test name in backquotes
 GENERATED = re.compile(r"<!-- tests:begin -->.*?<!-- tests:end -->", re.S)  # checked against registrations
 
 
@@ -57,6 +63,40 @@ def test_every_path_a_document_names_exists(doc):
     assert not missing, f"{doc.relative_to(ROOT)} names paths that do not exist: {missing}"
     files = _python_file_names()
     assert not sorted(names - files), f"{doc.relative_to(ROOT)} names files that do not exist: {sorted(names - files)}"
+
+
+@functools.cache
+def _test_functions() -> dict[str, frozenset[str]]:
+    """Test file name -> the names of its test functions (methods of test classes included)."""
+    found: dict[str, set[str]] = {}
+    for path in (ROOT / "test").rglob("test_*.py"):
+        tree = ast.parse(path.read_text(), str(path))
+        names = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        found.setdefault(path.name, set()).update(n for n in names if n.startswith("test_"))
+    return {name: frozenset(tests) for name, tests in found.items()}
+
+
+def missing_tests(text: str) -> list[str]:
+    """The tests `text` names that no test file defines: `file::test` against that file, a bare
+    `test_name` against every test file."""
+    tests = _test_functions()
+    everywhere = frozenset().union(*tests.values())
+    missing = [f"{f}::{t}" for f, t in CITED_TEST.findall(text) if t not in tests.get(f, ())]
+    return missing + [t for t in BARE_TEST.findall(text) if t not in everywhere]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
+def test_every_test_a_document_names_exists(doc):
+    missing = missing_tests(GENERATED.sub("", doc.read_text()))
+    assert not missing, f"{doc.relative_to(ROOT)} names tests that do not exist (renamed or deleted?): {missing}"
+
+
+def test_a_document_naming_a_test_that_does_not_exist_is_caught():
+    assert missing_tests("`test_docs.py::test_every_test_a_document_names_exists` and `test_envs`") == ["test_envs"]
+    assert missing_tests("`test_docs.py::test_no_such_test`, `test_no_such_test_either`") == [
+        "test_docs.py::test_no_such_test",
+        "test_no_such_test_either",
+    ]
 
 
 def test_the_testing_doc_lists_every_registered_test_file():
@@ -88,6 +128,52 @@ def test_a_results_block_that_was_typed_over_is_caught():
     generator = _gen_result_tables()
     text = "<!-- results:kernels:begin -->\n| typed | by hand |\n<!-- results:kernels:end -->"
     assert generator.regenerate(text) != text
+
+
+EVIDENCE_ROW = re.compile(r"^\| (E\d+) \|.*?\| `benchmark/results/([\w.]+)` \| (.*) \|$", re.M)
+NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?![\w])")
+
+
+def unsupported_evidence(evidence_md: str, read_result) -> list[str]:
+    """Each commit, machine and number of the model column that a row of
+    docs/evidence.md gives for a results file and that file does not hold (read_result(name): its
+    text). The claim and kind columns are the generator's words, not the file's."""
+    problems = []
+    rows = EVIDENCE_ROW.findall(evidence_md)
+    assert rows, "docs/evidence.md has no evidence rows (| E1 | ... |)"
+    for row, name, rest in rows:
+        commit, machine, model, _kind = (c.strip() for c in rest.split(" | "))
+        text = read_result(name)
+        numbers = {float(n.replace(",", "")) for n in NUMBER.findall(text)}
+        sha = re.match(r"[0-9a-f]{10}\b", commit)
+        if sha and sha.group(0) not in text:
+            problems.append(f"{row}: commit {sha.group(0)} not in {name}")
+        for part in machine.split(", "):
+            if not part.startswith("not recorded") and part not in text:
+                problems.append(f"{row}: machine {part!r} not in {name}")
+        for figure in NUMBER.findall(model):
+            if float(figure.replace(",", "")) not in numbers:
+                problems.append(f"{row}: {figure} not in {name}")
+    return problems
+
+
+def test_every_figure_of_the_evidence_page_is_in_its_results_file():
+    page = (ROOT / "docs" / "evidence.md").read_text()
+    problems = unsupported_evidence(page, lambda name: (ROOT / "benchmark" / "results" / name).read_text())
+    assert not problems, f"docs/evidence.md gives what its results files do not hold: {problems}"
+
+
+def test_an_evidence_figure_its_results_file_lacks_is_caught():
+    row = "| E1 | a claim | `benchmark/results/x.json` | 0123459999 | NVIDIA H200 | 78 layers | measured |"
+    holds = '{"commit": "0123459999abcdef", "gpus": ["NVIDIA H200"], "layers": 78}'
+    assert unsupported_evidence(row, lambda name: holds) == []
+    assert unsupported_evidence(row, lambda name: holds.replace("78", "61")) == ["E1: 78 not in x.json"]
+    assert unsupported_evidence(row, lambda name: holds.replace("H200", "H100")) == [
+        "E1: machine 'NVIDIA H200' not in x.json"
+    ]
+    assert unsupported_evidence(row, lambda name: holds.replace("0123", "1111")) == [
+        "E1: commit 0123459999 not in x.json"
+    ]
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ SGLang imports both at module import time, so the stand-ins must be in place bef
 
 Every stand-in records each use with its caller's `file:line`; `uses()` returns them and
 `report()` formats them, so a harness can list exactly what it needed and where.
-docs/sglang_gpu_forward_audit.md says what replaces each op on the DSA forward path.
+docs/sglang_gpu_forward.md says what replaces each op on the DSA forward path.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import os
 import sys
 import types
 
-AUDIT_DOC = "docs/sglang_gpu_forward_audit.md"
+AUDIT_DOC = "docs/sglang_gpu_forward.md"
 
 
 class _Uses(list):

@@ -5,7 +5,7 @@ class, `forward_mla`, the DSA backend, the indexer, the KV pools, the interleave
 `EagerRunner._execute_extend_cp` are SGLang's own; attention is FlashMLA's real sparse prefill
 kernel. It runs on the GPU machine, where SGLang cannot be installed, from the bundle of
 docs/gpu_bundle.md (`source scripts/gpu_unpack.sh`). What replaces the kernels that cannot load
-there is listed, with the reason for each, in docs/sglang_gpu_forward_audit.md; `install()`
+there is listed, with the reason for each, in docs/sglang_gpu_forward.md; `install()`
 applies the process-wide part before SGLang is imported, `build_model` the per-module part.
 
 Used by test/sglang_ext/layers/test_sglang_gpu_forward.py (correctness) and benchmark/bench_sglang_prefill.py.
@@ -73,7 +73,7 @@ def model_as_run(cfg: dict, sa, stand_ins: list[str]) -> dict:
     }  # fmt: skip
 
 
-# Kernels and collectives replaced in every run (docs/sglang_gpu_forward_audit.md has the rows).
+# Kernels and collectives replaced in every run (docs/sglang_gpu_forward.md has the rows).
 STAND_INS = [
     "prefill fp8 MQA logits: test/helpers/mqa_logits_triton.py (DeepGEMM cannot load)",
     "top-k: SGLang's unfused torch top-k (--dsa-topk-backend torch, SGLANG_DSA_FUSE_TOPK=0)",

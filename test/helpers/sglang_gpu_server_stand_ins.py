@@ -8,7 +8,7 @@ runs `sglang.launch_server`. SGLang spawns its schedulers and detokenizer, and a
 imports its parent's main module before it unpickles its target, so the same install runs first
 in each of them. `register()` is the entry point of the test-only plugin `gpu_stand_ins` (a
 dist-info on the servers' PYTHONPATH, as on CPU: `sglang_servers.write_plugin_site`); it adds what
-needs SGLang imported: the forward harness's kernel switches (docs/sglang_gpu_forward_audit.md)
+needs SGLang imported: the forward harness's kernel switches (docs/sglang_gpu_forward.md)
 and, after SGLang loads the model, its native-module pins. Each stand-in the first time it is
 used is logged with its caller ("gpu stand-in lookup|call: NAME at FILE:LINE"), so a server's log
 names every one it needed.

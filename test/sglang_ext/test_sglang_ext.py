@@ -481,7 +481,7 @@ def test_the_flag_sizes_mooncakes_tcp_queue_and_sglangs_batches_unless_the_opera
     plugin, models, sm90, monkeypatch
 ):
     """Mooncake's TCP transport fails batches past ~2048 entries per peer at its default queue and
-    takes at most 65535 (docs/sglang_cpu_server_pd_concurrent.md, test_pd_many_pages.py): the flag's
+    takes at most 65535 (docs/sglang_cpu_server.md, test_pd_many_pages.py): the flag's
     resolution sets the queue's maximum and SGLang's batch bound to fit it (an entry a page and layer,
     the tiny model's 2 layers plus one for MTP), which the schedulers inherit; an operator's own
     values stay."""

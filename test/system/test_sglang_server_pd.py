@@ -217,7 +217,7 @@ def test_long_prompts_at_once_commit_over_mooncake_and_give_every_page_back(clus
     decode held all three at once, from /v1/loads every 0.2 s); both PD servers end idle with
     every page back (SGLang's load report and idle leak check); no server logged a transfer
     failure, SGLang's or Mooncake's. Thousands of pages per room go through the same classes
-    without the model in test_pd_many_pages.py (docs/sglang_cpu_server_pd_concurrent.md)."""
+    without the model in test_pd_many_pages.py (docs/sglang_cpu_server.md)."""
     shared, decode, single = (cluster.servers[n] for n in ("shared", "decode", "single"))
     marks = {s.name: _log_mark(s) for s in (shared, decode)}
     lengths = (380, 330, 290)  # 3 chunks of 128 each, distinct, not page-aligned

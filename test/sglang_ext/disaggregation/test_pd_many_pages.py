@@ -23,7 +23,7 @@ it admits, so the prefill's threads send their chunks concurrently):
   in one batch.
 
 Mooncake's TCP transport (0.3.13.post1) takes about 2048 entries in flight per (engine, peer)
-under its defaults (docs/sglang_cpu_server_pd_concurrent.md, benchmark/bench_mooncake_tcp_queue.py).
+under its defaults (docs/sglang_cpu_server.md, benchmark/bench_mooncake_tcp_queue.py).
 With the defaults in the prefill processes (nothing MC_TCP_* set: this harness does not run the
 plugin's start-up, which raises the limit), the grouped rooms commit and the in-order room's
 index-K batch is rejected: the room fails on the decode with SGLang's reason ("Failed to send
