@@ -106,8 +106,6 @@ class CollectiveCounter:
                 value = getattr(forward_batch, attr, None)
                 record[key] = [int(v) for v in value] if value is not None else None
             record["return_logprob"] = bool(getattr(forward_batch, "return_logprob", False))
-            if hasattr(forward_batch, "capture_hidden_mode"):  # SGLang's ForwardBatch
-                record["every_token_tail_because"] = _why_every_token(forward_batch)
         self.current, self.forward_thread = record, threading.get_ident()
 
     def end_forward(self) -> None:
@@ -184,17 +182,12 @@ class CollectiveCounter:
 _COUNTER: CollectiveCounter | None = None
 
 
-def _why_every_token(forward_batch) -> str | None:
-    """The plugin's reason, at the forward's start, to gather every token's hidden state for the
-    logits (None: its narrow tail gather applies); "no plugin" outside a plugin's process."""
-    try:
-        import torch
-
-        from sglang_nsa_cp.sglang_ext.layers.cp.utils import why_every_token
-
-        return why_every_token(torch.empty(0), forward_batch)
-    except Exception as e:  # noqa: BLE001 -- a diagnostic field: a batch it cannot read records the error
-        return f"unreadable: {e!r}"
+def _after_why_every_token(result, *args, **kwargs):
+    """AFTER the plugin's `why_every_token` (called once a forward, at its tail gather): its reason to
+    gather every token's hidden state for the logits, or None where its narrow gather runs."""
+    if _COUNTER is not None and _COUNTER.current is not None:
+        _COUNTER.current["every_token_tail_because"] = result
+    return result
 
 
 def _around_forward(original, runner, *args, **kwargs):
@@ -228,6 +221,9 @@ def install_in_server(folder: str) -> CollectiveCounter:
     _COUNTER.install_pynccl()
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner.forward", _around_forward, HookType.AROUND
+    )
+    HookRegistry.register(
+        "sglang_nsa_cp.sglang_ext.layers.cp.utils.why_every_token", _after_why_every_token, HookType.AFTER
     )
     return _COUNTER
 

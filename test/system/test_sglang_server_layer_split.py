@@ -157,7 +157,8 @@ def test_counted_bytes_per_forward_equal_the_formula(cluster, prefill):
             assert sum(cp_calls[:-1]) == rows * layers * CHUNK_ROW_BYTES == formula, f"{where}: {cp_calls}, {formula}"
             # the tail: the flag's narrow gather (N x requests rows) unless the plugin names why not
             hidden = S.MODEL["hidden_size"] * traffic.HIDDEN_BYTES
-            because = forward["every_token_tail_because"] if prefill == "shared" else "SGLang's own gather"
+            because = (forward.get("every_token_tail_because", "the plugin's tail hook did not run")
+                       if prefill == "shared" else "SGLang's own gather")  # fmt: skip
             expected = rows * hidden if because else S.CP * len(batch.requests) * hidden
             tails.append((batch.requests, cp_calls[-1], because))
             assert cp_calls[-1] == expected, f"{where}: tail gather {cp_calls[-1]} B, expected {expected} B ({because})"

@@ -47,10 +47,22 @@ def why_every_token(x, forward_batch) -> str | None:
         (forward_batch.spec_info is None, "speculative decoding"),
         (getattr(forward_batch, "multi_item_delimiter_indices", None) is None, "multi-item scoring"),
         (getattr(forward_batch, "token_indices_to_pool", None) is None, "token pooling"),
-        (not getattr(forward_batch, "attn_tp_sequence_sharded", False), "attention-TP sequence sharding"),
+        # SGLang's gather (interleave `_gather_interleaved_tensor`) takes x as this rank's interleave
+        # rows whatever `attn_tp_sequence_sharded` says (DSA prefill CP clears that sharding); so does this
+        (_holds_local_rows(x, forward_batch), "the model body's rows are not this rank's interleave share"),
         (getattr(forward_batch, "mm_input_embeds", None) is None, "multimodal input embeddings"),
     )
     return next((reason for ok, reason in checks if not ok), None)
+
+
+def _holds_local_rows(x, forward_batch) -> bool:
+    from sglang.srt.runtime_context import get_parallel
+
+    metadata = getattr(forward_batch, "attn_cp_metadata", None)
+    if metadata is None or not isinstance(x, torch.Tensor):
+        return False
+    lens = metadata.per_rank_logical_token or metadata.per_rank_actual_token
+    return x.shape[0] >= lens[get_parallel().attn_cp_rank]
 
 
 _REPORTED: set[str] = set()
