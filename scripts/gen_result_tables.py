@@ -252,7 +252,11 @@ BLOCKS: dict[str, tuple[str | None, Callable[..., str], str | None]] = {
     ),
     "trace_replay_arms": ("bench_trace_replay.json", trace_replay_arms, "python benchmark/bench_trace_replay.py"),
     "evidence": (None, evidence, None),
-    "scratch": ("bench_scratch_bytes.json", scratch, "python benchmark/bench_scratch_bytes.py"),  # many files: each row names its own
+    "scratch": (
+        "bench_scratch_bytes.json",
+        scratch,
+        "python benchmark/bench_scratch_bytes.py",
+    ),  # many files: each row names its own
     "alternatives": (
         "bench_trace_replay.json",
         alternatives,
