@@ -6,6 +6,12 @@
 #   bash scripts/gpu_run.sh [tests|bench|all] [benchmark arguments...]
 #   bash scripts/gpu_run.sh server [scripts/sglang_server_check.py arguments...]
 #   bash scripts/gpu_run.sh layer [benchmark/bench_glm5_layer.py arguments...]
+#   bash scripts/gpu_run.sh q8 [pytest arguments...]
+#
+# `q8` runs test/sglang_ext/layers/test_sglang_q8_gpu_forward.py alone (--dsa-prefill-backend
+# flashmla_sparse_q8: SGLang's SM90 JIT kernel built here, shared KV against replicated CP):
+# $OUT/q8_gpu_forward.log. Every mode unpacks .gpu_bundle/cutlass.tar.xz (scripts/gpu_cutlass.sh)
+# when it is there, the CUTLASS headers that kernel's build needs.
 #
 # `layer` times one GLM-5 DSA layer's parts on one GPU at GLM-5's shapes (docs/glm5_layer.md):
 # $OUT/bench_glm5_layer_1xh200.json and its log; it needs FlashMLA and SGLang's dequantizer from
@@ -32,11 +38,21 @@ mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 NSA_CP_FAIL_ON_SKIP=1  # a skip here means no CUDA or no bundle
 source scripts/gpu_unpack.sh /tmp/site >/dev/null || exit 1
+if [ -f .gpu_bundle/cutlass.tar.xz ]; then
+  mkdir -p /tmp/cutlass && tar -C /tmp/cutlass -xJf .gpu_bundle/cutlass.tar.xz || exit 1
+  export NSA_CP_CUTLASS_INCLUDE=/tmp/cutlass/include SGLANG_JIT_CACHE_DIR=${SGLANG_JIT_CACHE_DIR:-$PWD/build/sglang_jit}  # kept between calls
+fi
 if [ "$what" = layer ]; then
   python3 benchmark/bench_glm5_layer.py --out "$out" "$@" 2>&1 | tee "$out/bench_glm5_layer_1xh200.log" | tail -70
   exit "${PIPESTATUS[0]}"
 fi
 python3 scripts/check_gpu_imports.py >"$out/imports.log" 2>&1 || { tail -30 "$out/imports.log"; exit 1; }
+if [ "$what" = q8 ]; then
+  { python3 benchmark/provenance.py --header bash scripts/gpu_run.sh q8
+    python3 -m pytest -q -s -p no:cacheprovider test/sglang_ext/layers/test_sglang_q8_gpu_forward.py "$@"; } 2>&1 |
+    tee "$out/q8_gpu_forward.log" | grep -v "^$" | tail -60
+  exit "${PIPESTATUS[0]}"
+fi
 if [ "$what" = server ]; then
   python3 scripts/sglang_server_check.py --device cuda --out "$out" "$@" 2>&1 | tee "$out/sglang_server_check.log" | tail -60
   exit "${PIPESTATUS[0]}"

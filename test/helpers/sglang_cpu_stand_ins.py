@@ -66,6 +66,118 @@ def sparse_mla_reference(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk
     return o.to(q.dtype), logits.amax(-1), lse
 
 
+Q8KV8_MODULE = "sglang.kernels.ops.attention.sparse_mla_q8kv8_prefill_sm90"
+
+
+def sparse_mla_q8kv8_reference(q, kv, indices, sm_scale, q_scale, kv_scale, d_v=512, attn_sink=None,
+                               topk_length=None, *, out=None, max_logits=None, lse=None):  # fmt: skip
+    """Stands in for SGLang's `sparse_mla_q8kv8_prefill_fwd` (`flashmla_sparse_q8`'s SM90 JIT kernel,
+    CUDA only): q [s_q, h, 576] e4m3 (h a multiple of 64), kv [s_kv, 1, 576] e4m3 whose last `topk`
+    rows are the zero landing pad, indices [s_q, 1, topk] int32 (-1 = unused, topk % 128 == 0) ->
+    (o [s_q, h, d_v] bf16, max_logits, lse [s_q, h] fp32). The kernel's math in fp32: logits =
+    (q . k) x q_scale x kv_scale x sm_scale over valid entries (-1 and past `topk_length` masked,
+    as its is_kv_valid mask does), p = exp(logit - max) cast to e4m3 for the PV product (its fp8
+    P), divided by the fp32 sum of p. Not bit-equal to the kernel (its online softmax rescales per
+    64-entry block); q and kv come from SGLang's prep kernels (on CPU their torch twins, below).
+    Queries go in blocks of 256 (bounded memory at GLM-5's shapes on the GPU)."""
+    assert attn_sink is None
+    for name, t in (("q", q), ("kv", kv)):
+        assert t.dtype == torch.float8_e4m3fn and t.is_contiguous(), f"{name}: {t.dtype}, {t.is_contiguous()=}"
+    assert q.shape[1] % 64 == 0 and indices.shape[-1] % 128 == 0, f"q {tuple(q.shape)}, indices {tuple(indices.shape)}"
+    assert indices.dtype == torch.int32, indices.dtype
+    blocks = [
+        _q8kv8_block(q[i : i + 256], kv, indices[i : i + 256], sm_scale, q_scale, kv_scale, d_v,
+                     None if topk_length is None else topk_length[i : i + 256])
+        for i in range(0, q.shape[0], 256)
+    ]  # fmt: skip
+    assert blocks, "no queries"
+    results = [torch.cat(parts) for parts in zip(*blocks)]
+    if out is None:
+        return tuple(results)
+    for buf, value in zip((out, max_logits, lse), results):
+        buf.copy_(value)
+    return out, max_logits, lse
+
+
+def _q8kv8_block(q, kv, indices, sm_scale, q_scale, kv_scale, d_v, topk_length):
+    idx = indices[:, 0].long()
+    valid = idx >= 0
+    if topk_length is not None:
+        valid &= torch.arange(idx.shape[1], device=idx.device)[None, :] < topk_length.long()[:, None]
+    keys = kv[:, 0].float()[idx.clamp(min=0)] * kv_scale.float()  # [s_q, topk, d_qk]
+    logits = torch.einsum("qhd,qkd->qhk", q.float() * q_scale.float(), keys) * sm_scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    row_max = logits.amax(-1)
+    p = torch.exp(logits - row_max[..., None]).nan_to_num(0.0)
+    total = p.sum(-1)
+    o = torch.einsum("qhk,qkd->qhd", p.to(torch.float8_e4m3fn).float(), keys[..., :d_v]) / total[..., None]
+    return o.nan_to_num(0.0).to(torch.bfloat16), row_max, torch.log(total) + row_max
+
+
+def _store_cast_e4m3(x):
+    """Triton's store-cast to e4m3 on CUDA (cvt.rn.satfinite): round to nearest even, saturating at
+    +-448 where torch's cast would give NaN."""
+    fp8 = torch.finfo(torch.float8_e4m3fn)
+    return x.float().clamp(fp8.min, fp8.max).to(torch.float8_e4m3fn)
+
+
+def concat_and_cast_q_fp8_pad_torch(q_fp8_pad, q_nope, q_rope, num_heads):
+    """SGLang's `concat_and_cast_q_fp8_pad` (Triton, one program per token) in torch: q_nope
+    [T, H, nope] and q_rope [T, H, rope] bf16 store-cast into q_fp8_pad[:, :H] [T, pad_heads,
+    nope + rope] e4m3; the pad heads are left as they are."""
+    nope = q_nope.shape[-1]
+    q_fp8_pad[:, :num_heads, :nope] = _store_cast_e4m3(q_nope)
+    q_fp8_pad[:, :num_heads, nope:] = _store_cast_e4m3(q_rope)
+
+
+def gather_cast_kv_fp8_pad_paged_torch(out, kv_cache, page_table_1_flattened, nope_dim):
+    """SGLang's `gather_cast_kv_fp8_pad_paged` (a bf16 pool's prefix for flashmla_sparse_q8;
+    Triton `get_mla_kv_buffer_kernel`, one program per token) in torch: out[:n] = e4m3(bf16 rows
+    of kv_cache [slots, 1, 576] at page_table_1_flattened [n]), out[n:] = 0 (the landing pad)."""
+    n = page_table_1_flattened.shape[0]
+    out[:n] = _store_cast_e4m3(kv_cache.view(-1, kv_cache.shape[-1])[page_table_1_flattened.long()])
+    out[n:].view(torch.uint8).zero_()
+    return out
+
+
+def gather_dequant_requant_fp8_paged_dsa_torch(quant_k_cache, page_table_1_flattened, group_size=128,
+                                               extra_rows=0, out=None):  # fmt: skip
+    """SGLang's `gather_dequant_requant_fp8_paged_dsa` (an fp8 pool's prefix for
+    flashmla_sparse_q8; Triton) in torch, same math: the 656-byte FlashMLA rows at
+    page_table_1_flattened, codes x fp32 group scale -> e4m3, rope bf16 -> e4m3; then
+    `extra_rows` zero rows. Returns [n + extra_rows, 1, 576] e4m3 (in `out` when given)."""
+    from sglang.kernels.ops.attention.dsa.dequant_k_cache import _infer_dsa_dims
+
+    dim_quant = quant_k_cache.shape[-1]
+    nope, rope = _infer_dsa_dims(dim_quant, group_size)
+    tiles = nope // group_size
+    rows = quant_k_cache.view(torch.uint8).reshape(-1, dim_quant)[page_table_1_flattened.long()]
+    codes = rows[:, :nope].view(torch.float8_e4m3fn).float().view(-1, tiles, group_size)
+    scale = rows[:, nope : nope + 4 * tiles].contiguous().view(torch.float32)
+    rope_bf16 = rows[:, nope + 4 * tiles :].contiguous().view(torch.bfloat16)
+    n, total = rows.shape[0], rows.shape[0] + extra_rows
+    output = out.view(total, 1, nope + rope) if out is not None else quant_k_cache.new_empty((total, 1, nope + rope))
+    output[:n, 0, :nope] = _store_cast_e4m3((codes * scale[..., None]).view(n, nope))
+    output[:n, 0, nope:] = _store_cast_e4m3(rope_bf16)
+    output[n:].view(torch.uint8).zero_()
+    return output
+
+
+def install_q8_stand_ins():
+    """`flashmla_sparse_q8`'s q and KV prep kernels (Triton; the interpreter runs them at ~30 ms
+    per token program, minutes per forward, and its fp8 cast rounds wrongly) -> their torch twins,
+    where SGLang's DSA backend looks them up; its attention kernel (JIT, CUDA only) ->
+    `sparse_mla_q8kv8_reference`."""
+    from sglang.srt.layers.attention import dsa_backend
+
+    q8kv8 = types.ModuleType(Q8KV8_MODULE)
+    q8kv8.sparse_mla_q8kv8_prefill_fwd = sparse_mla_q8kv8_reference
+    sys.modules[q8kv8.__name__] = q8kv8  # the real module reads torch's CUDA stream API at import
+    dsa_backend.concat_and_cast_q_fp8_pad = concat_and_cast_q_fp8_pad_torch
+    dsa_backend.gather_cast_kv_fp8_pad_paged = gather_cast_kv_fp8_pad_paged_torch
+    dsa_backend.gather_dequant_requant_fp8_paged_dsa = gather_dequant_requant_fp8_paged_dsa_torch
+
+
 def _dequantize_flashmla_rows(kv):
     """[s_kv, 1, 656] fp8 FlashMLA rows (512 e4m3 values, 4 fp32 scales, 64 bf16 rope) -> bf16 [s_kv, 1, 576]."""
     rows = kv.view(torch.uint8).reshape(kv.shape[0], -1)
@@ -234,6 +346,7 @@ def install_process_stand_ins():
 
     hadamard.hadamard_transform = hadamard_reference  # imported lazily by dsa_indexer.rotate_activation
     install_fp8_kv_stand_ins()
+    install_q8_stand_ins()
     from sglang.srt.layers.attention.dsa import dsa_indexer
     from sglang.srt.layers.attention.dsa.dsa_indexer import Indexer
     from sglang.srt.layers.rotary_embedding import base as rope_base

@@ -111,10 +111,14 @@ def shares_gpu(world: int) -> bool:
     return torch.cuda.device_count() < world
 
 
-def setup_process(rank: int, world: int, model_path: str, cp_size: int, kv_cache_dtype: str = "bfloat16"):
+def setup_process(
+    rank: int, world: int, model_path: str, cp_size: int, kv_cache_dtype: str = "bfloat16",
+    prefill_backend: str = "flashmla_sparse",
+):  # fmt: skip
     """Publish ServerArgs and build SGLang's process groups on NCCL, GPU `rank`. `kv_cache_dtype`
-    fp8_e4m3: SGLang's fp8 pool (656-byte FlashMLA rows); prefill stays on flashmla_sparse (which
-    dequantizes a prefix batch's KV to bf16), decode takes flashmla_kv, SGLang's fp8 decode on SM90."""
+    fp8_e4m3: SGLang's fp8 pool (656-byte FlashMLA rows); prefill stays on `prefill_backend`
+    (flashmla_sparse dequantizes a prefix batch's KV to bf16, flashmla_sparse_q8 casts it to fp8),
+    decode takes flashmla_kv, SGLang's fp8 decode on SM90."""
     from helpers.distributed import nccl_device
 
     install()
@@ -127,7 +131,7 @@ def setup_process(rank: int, world: int, model_path: str, cp_size: int, kv_cache
 
     decode_backend = "flashmla_kv" if kv_cache_dtype == "fp8_e4m3" else "flashmla_sparse"
     kw = dict(model_path=model_path, device="cuda", attention_backend="dsa", kv_cache_dtype=kv_cache_dtype,
-              dsa_prefill_backend="flashmla_sparse", dsa_decode_backend=decode_backend, dsa_topk_backend="torch",
+              dsa_prefill_backend=prefill_backend, dsa_decode_backend=decode_backend, dsa_topk_backend="torch",
               bf16_gemm_backend="torch", skip_tokenizer_init=True, tp_size=world, moe_dense_tp_size=1,
               disable_custom_all_reduce=True)  # fmt: skip
     if cp_size > 1:
@@ -387,21 +391,55 @@ def check_token_ids(vocab: int, seed: int = 5) -> dict[int, torch.Tensor]:
     return ids
 
 
-def run_check(rank, world, group, model_path, mode, kv_cache_dtype="bfloat16"):
+CUTLASS_ENV = "NSA_CP_CUTLASS_INCLUDE"  # colon-separated CUTLASS include dirs (cute/, cutlass/) for q8's JIT kernel
+
+
+def use_cutlass_from_env() -> None:
+    """Point SGLang's JIT `cutlass` dependency (which it looks for in flashinfer or DeepGEMM, neither
+    of which loads here) at `NSA_CP_CUTLASS_INCLUDE` when that is set."""
+    from sglang.kernels.jit.utils.deps import REGISTERED_DEPENDENCIES
+
+    if os.environ.get(CUTLASS_ENV):
+        REGISTERED_DEPENDENCIES["cutlass"] = lambda: os.environ[CUTLASS_ENV].split(":")
+
+
+def use_q8_reference_kernel() -> None:
+    """flashmla_sparse_q8's attention kernel -> `sglang_cpu_stand_ins.sparse_mla_q8kv8_reference`
+    (for a machine where SGLang's JIT kernel does not build), each call logged as a stand-in."""
+    import sglang.kernels.ops.attention.sparse_mla_q8kv8_prefill_sm90 as q8kv8
+
+    from helpers import gpu_stand_ins
+    from helpers.sglang_cpu_stand_ins import sparse_mla_q8kv8_reference
+
+    def reference(*args, **kwargs):
+        gpu_stand_ins.record_call("q8 attention: sglang_cpu_stand_ins.sparse_mla_q8kv8_reference (no JIT kernel)")
+        return sparse_mla_q8kv8_reference(*args, **kwargs)
+
+    q8kv8.sparse_mla_q8kv8_prefill_fwd = reference
+
+
+def run_check(
+    rank, world, group, model_path, mode, kv_cache_dtype="bfloat16", prefill_backend="flashmla_sparse",
+    q8_kernel="jit",
+):  # fmt: skip
     """One rank of the correctness scenario. mode: 'off' (1 GPU, no CP), 'replicated' (SGLang's
     CP, every rank keeps all KV) or 'shared' (the plugin loaded and enabled: SGLang's sharded
     pool as the plugin's subclass, its gather scratch NaN as each batch begins); `kv_cache_dtype`
     bfloat16 or fp8_e4m3. Returns each batch's next-token logits (CPU), then the decode step's,
     which runs on a non-CP pool assembled from the page owners in the shared mode (what the
     owned-page PD transfer delivers to a decode instance), with the pool's class, how it
-    gathered history and a digest per layer of the decode pool."""
+    gathered history and a digest per layer of the decode pool. `prefill_backend`: SGLang's
+    `--dsa-prefill-backend`; with flashmla_sparse_q8, `q8_kernel` "jit" (SGLang's SM90 kernel) or
+    "reference" (`use_q8_reference_kernel`)."""
     import hashlib
 
     from helpers import gpu_stand_ins
     from helpers import sglang_model_harness as H
 
     cp = 1 if mode == "off" else world
-    sa = setup_process(rank, world, model_path, cp, kv_cache_dtype)
+    sa = setup_process(rank, world, model_path, cp, kv_cache_dtype, prefill_backend)
+    if prefill_backend == "flashmla_sparse_q8":
+        use_q8_reference_kernel() if q8_kernel == "reference" else use_cutlass_from_env()
     if mode == "shared":
         from sglang.srt.plugins import load_plugins
 

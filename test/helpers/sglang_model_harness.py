@@ -100,7 +100,8 @@ def setup_process(
 ):
     """Publish ServerArgs, build SGLang's process groups (gloo) and the model with random weights.
     `kv_cache_dtype` "fp8_e4m3": SGLang's fp8 DSA pool (656-byte FlashMLA rows); `server_args`:
-    more ServerArgs fields (HiCache's, for instance)."""
+    more ServerArgs fields (HiCache's, for instance), or other values of the defaults
+    (`dsa_prefill_backend="flashmla_sparse_q8"`)."""
     for k, v in ENV.items():
         os.environ[k] = v
     stand_ins.install_process_stand_ins()
@@ -113,7 +114,7 @@ def setup_process(
               skip_tokenizer_init=True, tp_size=world, moe_dense_tp_size=1)  # fmt: skip
     if cp_size > 1:
         kw.update(enable_prefill_cp=True, cp_strategy="interleave", attn_cp_size=cp_size)
-    sa = ServerArgs(**kw, **server_args)
+    sa = ServerArgs(**kw | server_args)  # server_args may also replace a default above
     reset_context()
     with mock.patch("torch.cuda.get_device_capability", lambda *a, **k: stand_ins.SM90):  # resolution reads the SM
         publish(sa, role="test", ranks=SpawnRanks(world_rank=rank))
@@ -463,15 +464,40 @@ def _decode_pool_from_page_owners(engine):
     return full
 
 
-def run_rotated_scenario(rank, world, group, model_path, mode, kv_cache_dtype="bfloat16", plugin=True):
+def count_prefill_kernel_calls() -> dict:
+    """Calls of the sparse prefill kernels' stand-ins (FlashMLA's `flash_mla_sparse_fwd`, the
+    `flashmla_sparse_q8` JIT kernel), by `--dsa-prefill-backend` name: which one SGLang ran."""
+    import sys
+
+    counts = {"flashmla_sparse": 0, "flashmla_sparse_q8": 0}
+    for name, module, attr in (
+        ("flashmla_sparse", "sglang.kernels.ops.attention.flash_mla_interface", "flash_mla_sparse_fwd"),
+        ("flashmla_sparse_q8", stand_ins.Q8KV8_MODULE, "sparse_mla_q8kv8_prefill_fwd"),
+    ):
+        inner = getattr(sys.modules[module], attr)
+
+        def counted(*args, _name=name, _inner=inner, **kwargs):
+            counts[_name] += 1
+            return _inner(*args, **kwargs)
+
+        setattr(sys.modules[module], attr, counted)
+    return counts
+
+
+def run_rotated_scenario(
+    rank, world, group, model_path, mode, kv_cache_dtype="bfloat16", plugin=True, prefill_backend="flashmla_sparse"
+):
     """The rotated-page scenario. mode: 'off' (1 rank), 'replicated' (SGLang's CP) or 'sharded'
     (SGLang's page-interleaved pool, its scratch poisoned as each batch begins; `plugin`: with the
     plugin loaded and enabled, so the pool is the plugin's subclass and the narrow tail gather
     runs). Returns each batch's next-token logits, every collective the rank issued, the history
-    gathers and the decode pool's latent bytes per layer (sharded: assembled from page owners)."""
+    gathers and the decode pool's latent bytes per layer (sharded: assembled from page owners).
+    `prefill_backend`: SGLang's `--dsa-prefill-backend` (the decode step stays on flashmla_sparse)."""
     from sglang.srt.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
-    sa = setup_process(rank, world, model_path, 1 if mode == "off" else world, kv_cache_dtype)
+    sa = setup_process(
+        rank, world, model_path, 1 if mode == "off" else world, kv_cache_dtype, dsa_prefill_backend=prefill_backend
+    )
     if mode == "sharded" and plugin:
         from sglang.srt.plugins import load_plugins
 
@@ -486,6 +512,7 @@ def run_rotated_scenario(rank, world, group, model_path, mode, kv_cache_dtype="b
         poison_gather_scratch(engine.pool)
         gathers = count_history_gathers(engine.pool)
     quantizations = count_fp8_quantizations()
+    kernel_calls = count_prefill_kernel_calls()
     collectives = record_collectives()
     _record_tail_rows(engine)
     engine.init_requests()
@@ -499,6 +526,7 @@ def run_rotated_scenario(rank, world, group, model_path, mode, kv_cache_dtype="b
             engine.trace[-1].update(history=engine.pool._block_pages > 0)
     info["collectives"] = list(collectives)
     info["fp8_quantizations"] = quantizations["calls"]  # in the prefill batches
+    info["prefill_kernel_calls"] = dict(kernel_calls)
     if mode == "sharded":
         info["gathered"] = dict(gathers)
         engine.pool.end_shard_extend()

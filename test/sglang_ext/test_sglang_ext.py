@@ -214,21 +214,24 @@ def test_flag_parses_and_survives_pickling(plugin, models):
 
 
 @pytest.mark.parametrize(
-    "model,kv_dtype", [("v32", "bfloat16"), ("glm5", "bfloat16"), ("v32", "fp8_e4m3"), ("glm5", "fp8_e4m3")]
-)
-def test_supported_configuration_resolves_enabled_and_reaches_the_schedulers(plugin, models, sm90, model, kv_dtype):
+    "model,kv_dtype,backend",
+    [("v32", "bfloat16", "flashmla_sparse"), ("glm5", "bfloat16", "flashmla_sparse"),
+     ("v32", "fp8_e4m3", "flashmla_sparse"), ("glm5", "fp8_e4m3", "flashmla_sparse"),
+     ("glm5", "bfloat16", "flashmla_sparse_q8"), ("glm5", "fp8_e4m3", "flashmla_sparse_q8")],
+)  # fmt: skip
+def test_supported_configuration_resolves_enabled_and_reaches_the_schedulers(
+    plugin, models, sm90, model, kv_dtype, backend
+):
     from sglang.srt.arg_groups.overrides import resolving_view
 
     from sglang_nsa_cp.sglang_ext.server_args import ATTR
 
     # SGLang's fp8 default prefill backend on SM90 is flashmla_kv: the fp8 deployment names flashmla_sparse
-    server_args = _resolve(
-        _argv(models[model], {"--kv-cache-dtype": kv_dtype, "--dsa-prefill-backend": "flashmla_sparse"})
-    )
+    server_args = _resolve(_argv(models[model], {"--kv-cache-dtype": kv_dtype, "--dsa-prefill-backend": backend}))
     assert getattr(server_args, ATTR) is True
     assert getattr(pickle.loads(pickle.dumps(server_args)), ATTR) is True
     cfg = resolving_view(server_args)
-    assert (cfg.page_size, cfg.dsa_prefill_backend, cfg.kv_cache_dtype) == (64, "flashmla_sparse", kv_dtype)
+    assert (cfg.page_size, cfg.dsa_prefill_backend, cfg.kv_cache_dtype) == (64, backend, kv_dtype)
     assert cfg.enable_kv_cache_sharding is True  # SGLang's own sharding does the work
     # without the flag nothing changes
     plain = _resolve(_argv(models[model])[:-1])
@@ -387,9 +390,20 @@ BAD = [
         "fp8 KV, SGLang's default backend",
         "v32",
         {"--kv-cache-dtype": "fp8_e4m3"},
-        "supports --dsa-prefill-backend flashmla_sparse only",
+        "supports --dsa-prefill-backend flashmla_sparse/flashmla_sparse_q8 only",
     ),
-    ("tilelang", "v32", {"--dsa-prefill-backend": "tilelang"}, "supports --dsa-prefill-backend flashmla_sparse only"),
+    (
+        "q8 with mixed chunks",
+        "glm5",
+        {"--dsa-prefill-backend": "flashmla_sparse_q8", "--enable-mixed-chunk": None},
+        "cannot run --dsa-prefill-backend flashmla_sparse_q8 with --enable-mixed-chunk",
+    ),
+    (
+        "tilelang",
+        "v32",
+        {"--dsa-prefill-backend": "tilelang"},
+        "supports --dsa-prefill-backend flashmla_sparse/flashmla_sparse_q8 only",
+    ),
     (
         "HiCache storage tier",
         "v32",

@@ -4,7 +4,7 @@ Target: `kv_shard_hook.validate_kv_shard_attention_backend` (AROUND). Its DSA br
 the `trtllm` prefill and decode backends with fp8_e4m3 KV (Blackwell). With the flag validated,
 the plugin's start-up checks (`parallel_hook.find_problems`) have checked what that branch checks,
 for the Hopper path: interleave prefill CP > 1, PP 1, CUDA, `--dsa-prefill-backend
-flashmla_sparse`, bf16 or fp8_e4m3 KV, page 64, Mooncake, no layer split, index_kpool 1. So the
+flashmla_sparse` or `flashmla_sparse_q8`, bf16 or fp8_e4m3 KV, page 64, Mooncake, no layer split, index_kpool 1. So the
 branch is skipped; every other check of `handle_kv_cache_sharding` runs as in SGLang. Without the
 flag SGLang's check runs unchanged.
 """

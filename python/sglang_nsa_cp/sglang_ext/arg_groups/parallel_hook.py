@@ -56,7 +56,10 @@ REFUSED_ARCHITECTURES = {
     ),
 }
 SUPPORTED_CP_STRATEGIES = ("interleave",)
-SUPPORTED_DSA_PREFILL_BACKENDS = ("flashmla_sparse",)
+# flashmla_sparse_q8 (SM90 fp8 prefill) reads a prefix batch's KV through the sharded pool's scratch as
+# flashmla_sparse does (`get_key_buffer`, the translated `page_table_1_flattened`): shared KV equals
+# replicated CP bit for bit under it, bf16 and fp8 KV (test/sglang_ext/layers/test_sglang_q8_forward.py).
+SUPPORTED_DSA_PREFILL_BACKENDS = ("flashmla_sparse", "flashmla_sparse_q8")
 DSA_PAGE_SIZE = 64
 SUPPORTED_SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")  # NEXTN, SGLang's alias, is refused with its own fix
 
@@ -316,9 +319,16 @@ def find_problems(server_args: Any) -> list[str]:
     if cfg.dsa_prefill_backend not in SUPPORTED_DSA_PREFILL_BACKENDS:
         problems.append(
             f"supports --dsa-prefill-backend {'/'.join(SUPPORTED_DSA_PREFILL_BACKENDS)} only, got "
-            f"{cfg.dsa_prefill_backend!r} (the Hopper reader verified over SGLang's sharded pool: bf16 rows, or an "
-            "fp8 cache's prefix dequantized to bf16; SGLang's fp8 default on SM90, flashmla_kv, reads other "
-            "layouts, and trtllm is SGLang's own Blackwell path); use --dsa-prefill-backend flashmla_sparse"
+            f"{cfg.dsa_prefill_backend!r} (the Hopper readers verified over SGLang's sharded pool: bf16 rows or an "
+            "fp8 cache's prefix dequantized to bf16, or both cast to fp8 by flashmla_sparse_q8; SGLang's fp8 default "
+            "on SM90, flashmla_kv, reads other layouts, and trtllm is SGLang's own Blackwell path); use "
+            "--dsa-prefill-backend flashmla_sparse"
+        )
+    if cfg.dsa_prefill_backend == "flashmla_sparse_q8" and cfg.enable_mixed_chunk:
+        problems.append(
+            "cannot run --dsa-prefill-backend flashmla_sparse_q8 with --enable-mixed-chunk (q8 prefill runs on "
+            "extend batches only; SGLang refuses the pair only when a scheduler builds its attention backend, "
+            "after loading the weights); drop --enable-mixed-chunk or use --dsa-prefill-backend flashmla_sparse"
         )
     problems += _sharding_problems(cfg)
     if cfg.enable_hierarchical_cache:
