@@ -28,24 +28,27 @@ from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, MooncakeK
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_nsa_cp.disagg import auth
-from sglang_nsa_cp.disagg.manifest import cut
 from sglang_nsa_cp.sglang_ext.disaggregation.common.conn import limited_status_frames
 from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import (
-    MANIFEST_TAG,
     MAX_USES,
     USE_NONCE_BYTES,
     USE_NONCE_TAG,
-    ManifestOfAnotherUse,
     OwnedPageLedger,
     RoomExpectation,
-    UnauthenticatedManifest,
-    decode_manifest,
     encode_manifest,
     max_manifest_bytes,
     pool_pages,
     verify_manifests,
 )
-from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import DropLog, guard_recv, keyed_room, sign_status
+from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import (
+    CheckedStatus,
+    DropLog,
+    Unchecked,
+    guard_recv,
+    keyed_room,
+    screen,
+    sign_status,
+)
 from sglang_nsa_cp.sglang_ext.server_args import FLAG, is_enabled
 
 logger = logging.getLogger(__name__)
@@ -101,12 +104,6 @@ class NoncesByRoom(dict):
 
     def drop(self, room: int) -> None:
         self.sessions -= len(self.pop(room, ()))
-
-
-class _Unauthenticated(str):
-    """Why a status's manifest frame did not authenticate (with the secret) or answers another
-    use of its room (with or without): such a status is dropped as if it never came, so a forged
-    or replayed Success neither commits nor fails a room."""
 
 
 _UNPROTECTED = {
@@ -359,36 +356,22 @@ class OwnedPageKVManager(MooncakeKVManager):
         return parts if nonce is None else list(parts) + [USE_NONCE_TAG + nonce]
 
     def parse_kv_status_message(self, msg):
-        """Keeps the manifest frame of a status message for `apply_prefill_status` (the decode
-        thread calls both, in that order). Only a room this decode asked for is parsed, up to the
-        size that room needs; what is wrong with a frame becomes a string (the room's failure
-        reason later), never an exception here."""
-        parsed = super().parse_kv_status_message(msg)
-        if parsed is None:
-            return parsed
-        body = msg[1:] if self.kv_status_msg_tag is not None else msg
-        frame = body[4] if len(body) > 4 else b""
-        room, _, prefill_rank, _ = parsed
-        expected = self.room_expectations.get(room)
-        if expected is not None and frame.startswith(MANIFEST_TAG):
-            keyed = keyed_room(self, room)
-            try:
-                manifest = decode_manifest(
-                    frame,
-                    room=room,
-                    prefill_rank=prefill_rank,
-                    secret=self.pd_secret,
-                    max_pages=expected.max_pages,
-                    use=self.room_nonces.get(room),
-                    max_uses=expected.uses,
-                )
-            except UnauthenticatedManifest as e:
-                other_use = isinstance(e, ManifestOfAnotherUse)
-                manifest = _Unauthenticated(cut(str(e), 300)) if keyed or other_use else cut(str(e), 300)
-            except ValueError as e:
-                manifest = cut(str(e), 300)
-            self.manifest_inbox[(room, prefill_rank)] = manifest
-        return parsed
+        """SGLang's (room, status, prefill rank, reason) from the guard's one parse of the message
+        (`status_guard.CheckedStatus`; a message that did not come through the guard is screened
+        here the same way), keeping the manifest the guard decoded for `apply_prefill_status`
+        (the decode thread calls both, in that order). A message the guard failed on
+        (`Unchecked`) gets SGLang's own parse and no manifest."""
+        if isinstance(msg, Unchecked):
+            return super().parse_kv_status_message(msg)
+        if not isinstance(msg, CheckedStatus):
+            msg = screen(self, msg, self.dropped_messages)
+            if not isinstance(msg, (CheckedStatus, Unchecked)):
+                return None
+            return self.parse_kv_status_message(msg)
+        status = msg.status
+        if status.manifest is not None:
+            self.manifest_inbox[(status.room, status.prefill_rank)] = status.manifest
+        return status.sglang_tuple()
 
     def apply_prefill_status(self, *, bootstrap_room, status, prefill_rank, failure_reason=None):
         """When the last expected Success of a room whose senders send manifests (every room of an
@@ -409,9 +392,8 @@ class OwnedPageKVManager(MooncakeKVManager):
         if status != KVPoll.Success or current in (None, KVPoll.Success, KVPoll.Failed) or responders is None:
             return apply(status, failure_reason)  # not a Success, or the room is already decided
         origin = f"Success of room {bootstrap_room} from prefill rank {prefill_rank}"
-        if isinstance(manifest, _Unauthenticated) or (keyed and manifest is None):
-            why = manifest or "no owned-page manifest frame"
-            return self.dropped_messages.note(origin, why, bootstrap_room)
+        if keyed and manifest is None:  # only a message the guard failed on gets here so
+            return self.dropped_messages.note(origin, "no checked owned-page manifest", bootstrap_room)
         if prefill_rank in self.room_manifests.get(bootstrap_room, ()):  # a replay within this use
             return self.dropped_messages.note(origin, "a second Success from that rank for this use", bootstrap_room)
         if manifest is not None or keyed:
