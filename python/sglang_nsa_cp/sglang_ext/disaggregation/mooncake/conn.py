@@ -270,8 +270,7 @@ class OwnedPageKVManager(MooncakeKVManager):
                         return None
             ledger.queue_kv(bootstrap_room, positions, local)
             if is_last_chunk and state_indices:
-                types = getattr(self.kv_args, "state_types", [])
-                dsa = [i for i, st in enumerate(types) if st == StateType.DSA]
+                dsa = [i for i, st in enumerate(self.kv_args.state_types) if st == StateType.DSA]
                 if any(i < len(state_indices) and state_indices[i] is not None for i in dsa):
                     ledger.expect_index(bootstrap_room)
         return super().add_transfer_request(
@@ -286,7 +285,7 @@ class OwnedPageKVManager(MooncakeKVManager):
         ledger = self.owned_pages_ledger
         if ledger is None:
             return super().maybe_send_extra(req, prefill_state_indices, executor, *args, **kwargs)
-        types = list(getattr(self.kv_args, "state_types", []))
+        types = list(self.kv_args.state_types)
         indices = list(prefill_state_indices)
         dst_lists = list(req.dst_state_indices)
         for i, st in enumerate(types):
@@ -453,7 +452,7 @@ class OwnedPageKVSender(MooncakeKVSender):
 def _expected_prefill_ranks(receiver, every_tp_rank: bool = False) -> list[int]:
     """Prefill unique ranks (`CommonKVManager._prefill_unique_rank`) a receiver waits for (with
     `every_tp_rank`: every rank it sends its metadata to, dummy TP ranks included)."""
-    info = getattr(receiver, "prefill_info", None)
+    info = vars(receiver).get("prefill_info")  # SGLang's `init()` sets it (a name the ledger checks)
     if info is None or info.target_cp_ranks is None:
         return []
     tp_ranks = list(info.target_tp_ranks or [])
@@ -484,9 +483,9 @@ class OwnedPageKVReceiver(MooncakeKVReceiver):
         """Remember what this decode asks for in the room (destination pages of each kind, the
         prefill CP size and ranks it targets, its destinations) before asking, so a status that
         answers at once is checked against it."""
-        info = getattr(self, "prefill_info", None)
+        info = vars(self).get("prefill_info")  # set by SGLang's `init()`, which failed if the prefill is gone
         if info is not None and info.attn_cp_size:
-            types = list(getattr(self.kv_mgr.kv_args, "state_types", []) or [])
+            types = list(self.kv_mgr.kv_args.state_types)
             dsa = [s for i, s in enumerate(state_indices or []) if i < len(types) and types[i] == StateType.DSA]
             index_pages = len(dsa[0]) if dsa and dsa[0] is not None else None
             self.kv_mgr.room_expectations[self.bootstrap_room] = RoomExpectation(
@@ -494,8 +493,8 @@ class OwnedPageKVReceiver(MooncakeKVReceiver):
                 index_pages,
                 int(info.attn_cp_size),
                 prefill_ranks=tuple(_expected_prefill_ranks(self, every_tp_rank=True)) or None,
-                uses=max(1, int(getattr(self, "required_dst_info_num", None) or 1)),
-                owner_sharded=bool(getattr(info, "enable_kv_cache_sharding", False)) and int(info.attn_cp_size) > 1,
+                uses=max(1, int(self.required_dst_info_num or 1)),
+                owner_sharded=bool(info.enable_kv_cache_sharding) and int(info.attn_cp_size) > 1,
             )
         if aux_index is not None:  # the one slot a prefill may write this room's metadata to
             self.kv_mgr.room_aux_indices[self.bootstrap_room] = int(aux_index)
@@ -527,6 +526,6 @@ class OwnedPageKVReceiver(MooncakeKVReceiver):
         try:
             return super()._clear()
         finally:
-            mine = getattr(self, "use_nonce", None)
+            mine = self.use_nonce
             if self.kv_mgr.room_nonces.get(room, mine) is mine:
                 self.kv_mgr.forget_room(room)
