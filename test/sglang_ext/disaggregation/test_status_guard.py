@@ -716,6 +716,36 @@ def test_what_the_metadata_channel_can_make_a_prefill_keep_is_bounded():
         assert held.sessions == 3 * MAX_USES
 
 
+def test_a_metadata_flood_for_made_up_rooms_never_evicts_a_room_in_flight():
+    """Issue 47: 65,536 metadata messages for made-up rooms (no room id needed) evicted the genuine
+    rooms' nonces from the prefill's map, oldest first, and every room in flight then failed
+    although its pages arrived. A room a sender of the rank still serves (SGLang's sender
+    registered its status) is now passed over: the flood evicts made-up rooms only, and the
+    genuine room's destination check still finds its decode's nonce."""
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake import conn
+
+    prefill = object.__new__(conn.OwnedPageKVManager)
+    prefill.request_status = {ROOM: KVPoll.WaitingForInput}  # this rank's sender serves ROOM
+    prefill.destination_nonces = conn.NoncesByRoom(live=prefill._has_live_sender)
+    prefill.transfer_infos = {ROOM: {"decode:1": SimpleNamespace(is_dummy=False, endpoint="127.0.0.1", dst_port=17001)}}
+    prefill._note_use_nonce(metadata_message(ROOM, "decode:1", NOW))
+    template = metadata_message(0, "attacker", NOW)
+    for room in range(100, 100 + conn.MAX_NOTED_ROOMS + 100):
+        prefill._note_use_nonce([b"%d" % room, *template[1:]])
+    held = prefill.destination_nonces
+    assert len(held) == conn.MAX_NOTED_ROOMS and dict(held[ROOM]) == {"decode:1": NOW}
+    assert prefill._destination_problem(ROOM) is None
+    assert 100 not in held and 100 + conn.MAX_NOTED_ROOMS + 99 in held  # made-up rooms went, oldest first
+    del prefill.request_status[ROOM]  # its sender cleared: an ordinary room, evicted by the next flood
+    for room in range(10**6, 10**6 + conn.MAX_NOTED_ROOMS):
+        prefill._note_use_nonce([b"%d" % room, *template[1:]])
+    assert ROOM not in held
+
+
 # ---- the real thing: the owned-page PD harness ------------------------------------------------
 def fuzz_status_socket(mgr, room) -> dict:
     """Runs in the harness's decode process right after `room`'s metadata went out (its pages

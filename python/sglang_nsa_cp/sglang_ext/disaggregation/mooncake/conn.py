@@ -81,26 +81,42 @@ class _Uses(dict):
 
 class NoncesByRoom(dict):
     """room -> _Uses, bounded: at most MAX_NOTED_ROOMS rooms and MAX_NOTED_SESSIONS sessions in all,
-    the oldest rooms going first. A session's first nonce stays."""
+    the oldest rooms going first, except a room `live(room)` says a sender of this rank still
+    serves (a flood of metadata for made-up rooms evicts those, never a room in flight; a live
+    room passed over moves to the new end, so each eviction costs O(1) amortized). When every
+    room held is live, a new one is not noted (its transfer then fails naming the bound). A
+    session's first nonce stays."""
 
-    def __init__(self):
+    def __init__(self, live=lambda room: False):
         super().__init__()
         self.sessions = 0
+        self.live = live
 
     def note(self, room: int, session: str, declared: int, nonce: bytes | None) -> None:
         """`nonce` None: the session's metadata carried none (a decode that did not opt in)."""
         uses = self.get(room)
         if uses is None:
             while len(self) >= MAX_NOTED_ROOMS:
-                self.drop(next(iter(self)))
+                if not self._evict_one(keep=room):
+                    return
             uses = self[room] = _Uses(max(1, min(declared, MAX_USES)))
         if session in uses or len(uses) >= uses.limit:
             return
-        while self.sessions >= MAX_NOTED_SESSIONS and next(iter(self)) != room:
-            self.drop(next(iter(self)))
-        if self.sessions < MAX_NOTED_SESSIONS:
-            uses[session] = nonce
-            self.sessions += 1
+        while self.sessions >= MAX_NOTED_SESSIONS:
+            if not self._evict_one(keep=room):
+                return
+        uses[session] = nonce
+        self.sessions += 1
+
+    def _evict_one(self, keep: int) -> bool:
+        """Drop the oldest room that is neither `keep` nor live; False if there is none."""
+        for _ in range(len(self)):
+            room = next(iter(self))
+            if room != keep and not self.live(room):
+                self.drop(room)
+                return True
+            self[room] = self.pop(room)  # passed over: to the new end
+        return False
 
     def drop(self, room: int) -> None:
         self.sessions -= len(self.pop(room, ()))
@@ -137,7 +153,8 @@ class OwnedPageKVManager(MooncakeKVManager):
         # SGLang starts the manager's threads inside __init__: the state they read comes first.
         self.owned_pages_ledger: OwnedPageLedger | None = None  # prefill, shared KV only
         self.outgoing_manifests = {}  # prefill: room -> manifest being concluded
-        self.destination_nonces = NoncesByRoom()  # prefill: room -> {decode session: nonce of its use of the room}
+        # prefill: room -> {decode session: nonce of its use of the room}; a room in flight is never evicted
+        self.destination_nonces = NoncesByRoom(live=self._has_live_sender)
         self.room_nonces = {}  # decode: room -> nonce of this use of the room (sent with the metadata)
         self.manifest_inbox = {}  # decode: (room, prefill rank) -> manifest parsed, not applied yet
         self.room_manifests = {}  # decode: room -> {prefill rank: manifest}
@@ -205,6 +222,11 @@ class OwnedPageKVManager(MooncakeKVManager):
         else:
             self.destination_nonces.note(room, session, declared, None)
 
+    def _has_live_sender(self, room: int) -> bool:
+        """Whether a sender of this rank serves `room` (SGLang's sender registers its room's status
+        when it is created and its `clear` removes it)."""
+        return room in self.request_status
+
     def _destination_problem(self, room: int) -> str | None:
         """Why a decode destination of `room` cannot take owned pages: it did not opt in (no use
         nonce on its metadata), or its nonce is not held (more rooms noted than the bound)."""
@@ -222,7 +244,7 @@ class OwnedPageKVManager(MooncakeKVManager):
                 return (
                     f"owned-page transfer of room {room}: no use nonce held for decode {info.endpoint}:"
                     f"{info.dst_port} (the prefill holds at most {MAX_NOTED_ROOMS} rooms' nonces, the oldest "
-                    "going first), so its manifests could not answer that decode's use of the room"
+                    "rooms not in flight going first), so its manifests could not answer that decode's use of the room"
                 )
         return None
 
