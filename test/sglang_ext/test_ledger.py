@@ -228,6 +228,32 @@ def _break_hook_import(monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang_nsa_cp.sglang_ext.layers.cp.utils", None)
 
 
+def _renamed_dataclass(monkeypatch, module, cls_name, old, new):
+    """SGLang's dataclass `cls_name` as if SGLang renamed its field `old` to `new` (a fake with the
+    same fields otherwise, in SGLang's module, where the ledger resolves it)."""
+    import dataclasses
+
+    cls = getattr(importlib.import_module(module), cls_name)
+    fields = [(new if f.name == old else f.name, f.type, f) for f in dataclasses.fields(cls)]
+    fake = dataclasses.make_dataclass(cls_name, [(n, t, dataclasses.field(default=f.default, default_factory=f.default_factory))
+                                                 for n, t, f in fields])  # fmt: skip
+    fake.__module__ = module
+    monkeypatch.setattr(importlib.import_module(module), cls_name, fake)
+
+
+def _rename_transfer_info_is_dummy(monkeypatch):
+    """SGLang's Mooncake `TransferInfo.is_dummy`, which the prefill manager reads per destination, renamed."""
+    _renamed_dataclass(
+        monkeypatch, "sglang.srt.disaggregation.mooncake.conn", "TransferInfo", "is_dummy", "is_placeholder"
+    )
+
+
+def _rename_decode_request_kv_receiver(monkeypatch):
+    """SGLang's `DecodeRequest.kv_receiver`, through which the decode hook finds the prefill's page
+    ownership, renamed (the hook fell back to request order without a word)."""
+    _renamed_dataclass(monkeypatch, "sglang.srt.disaggregation.decode", "DecodeRequest", "kv_receiver", "receiver")
+
+
 # (fault, the hook the refusal must name, what it must say)
 FAULTS = [
     (_rename_target, SPEC_HOOK, "its target no longer resolves"),
@@ -240,8 +266,14 @@ FAULTS = [
     (_unwrap_target, SPEC_HOOK, "it is not installed"),
     (_drop_resolution_step, "arg_groups.parallel_hook:validate_then", "it is not installed"),
     (_resign_sglang_set_mla_kv_buffer, POOL_HOOK, f"the overridden `{POOL}.set_mla_kv_buffer`'s signature changed"),
-    (_rename_shard_extend_active, POOL_HOOK, f"relies on SGLang's private `{POOL}._shard_extend_active` (attribute), "
+    (_rename_shard_extend_active, POOL_HOOK, f"relies on SGLang's `{POOL}._shard_extend_active` (attribute), "
                                              "which is no longer set by SGLang's class"),
+    (_rename_transfer_info_is_dummy, "disaggregation.utils:get_kv_class",
+     "relies on SGLang's `sglang.srt.disaggregation.mooncake.conn.TransferInfo.is_dummy` (attribute), which is no "
+     "longer set by SGLang's class"),
+    (_rename_decode_request_kv_receiver, "disaggregation.decode:allocate_grouped_by_owner",
+     "relies on SGLang's `sglang.srt.disaggregation.decode.DecodeRequest.kv_receiver` (attribute), which is no "
+     "longer set by SGLang's class"),
     (_make_slots_a_method, POOL_HOOK, f"`{POOL}._slots` (attribute), which is now a method"),
     (_break_hook_import, "layers.cp.utils:cp_gather_after_forward", "its hook does not import"),
 ]  # fmt: skip
@@ -291,31 +323,69 @@ def test_the_ledger_lists_every_private_sglang_name_the_pool_overrides_use(plugi
     assert dict((n.rsplit(".", 1)[1], k) for n, k in point.relies_on) == kinds
 
 
-def test_the_ledger_lists_every_private_sglang_name_the_pd_classes_and_the_guard_use(plugin):
-    """Every `_name` of SGLang's Mooncake manager that the PD subclasses (`self.`, `self.kv_mgr.`)
-    or the status guard (`mgr.`) read is in the get_kv_class point's `relies_on`, with its kind."""
+def _attributes_read(source: str, owners: set[str]) -> set[str]:
+    """Names read as `X.name` in `source`, X a name in `owners` or an attribute `.o` with o in `owners`."""
     import ast
 
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and not node.attr.startswith("__"):
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id in owners) or (
+                isinstance(owner, ast.Attribute) and owner.attr in owners
+            ):
+                names.add(node.attr)
+    return names
+
+
+def test_the_ledger_lists_every_sglang_name_the_pd_classes_and_the_guard_read(plugin):
+    """Issue 47: every name, private or not, of SGLang's Mooncake manager, sender and receiver that
+    the PD subclasses (`self.`, `kv_mgr.`) or the status guard (`mgr.`) read is in the get_kv_class
+    point's `relies_on`, with its kind (listed beyond what the source reads as attributes: only
+    `prefill_info`, which SGLang sets in `init()` and the plugin reads with `vars()`, and SGLang's
+    wire-format switch `kv_status_msg_carries_reason`, which the plugin's manager sets on its class)."""
     from sglang_nsa_cp.sglang_ext.disaggregation import status_guard
     from sglang_nsa_cp.sglang_ext.disaggregation.mooncake import conn
 
-    manager = ledger.resolve_sglang("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager")
-    ours = set(vars(conn.OwnedPageKVManager)) | set(vars(conn.OwnedPageKVSender)) | set(vars(conn.OwnedPageKVReceiver))
-    used = set()
-    for module in (conn, status_guard):
-        for node in ast.walk(ast.parse(inspect.getsource(module))):
-            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
-                continue
-            owner = node.value
-            if (isinstance(owner, ast.Name) and owner.id in ("self", "mgr")) or (
-                isinstance(owner, ast.Attribute) and owner.attr == "kv_mgr"
-            ):
-                used.add(node.attr)
-    sglang_names = {n for n in used - ours if hasattr(manager, n) or n in ledger.attributes_set_on_self(manager)}
-    kinds = {n: "method" if inspect.isfunction(inspect.getattr_static(manager, n, None)) else "attribute"
-             for n in sglang_names}  # fmt: skip
+    mooncake = "sglang.srt.disaggregation.mooncake.conn"
     point = next(p for p in LEDGER if p.target.endswith("disaggregation.utils.get_kv_class"))
-    assert dict((n.rsplit(".", 1)[1], k) for n, k in point.relies_on) == kinds
+    ours = set(vars(conn.OwnedPageKVManager)) | set(vars(conn.OwnedPageKVSender)) | set(vars(conn.OwnedPageKVReceiver))
+    reads = {
+        "MooncakeKVManager": _attributes_read(inspect.getsource(conn.OwnedPageKVManager), {"self"})
+        | _attributes_read(inspect.getsource(conn), {"kv_mgr", "mgr"})
+        | _attributes_read(inspect.getsource(status_guard), {"mgr"}),
+        "MooncakeKVSender": _attributes_read(inspect.getsource(conn.OwnedPageKVSender), {"self"}),
+        "MooncakeKVReceiver": _attributes_read(inspect.getsource(conn.OwnedPageKVReceiver), {"self", "receiver"}),
+    }
+    for cls_name, used in reads.items():
+        cls = ledger.resolve_sglang(f"{mooncake}.{cls_name}")
+        sglangs = {n for n in used - ours if hasattr(cls, n) or n in ledger.attributes_set_on_self(cls)}
+        kinds = {
+            n: "method" if inspect.isfunction(inspect.getattr_static(cls, n, None)) else "attribute" for n in sglangs
+        }
+        listed = {n.rsplit(".", 1)[1]: k for n, k in point.relies_on if n.rsplit(".", 1)[0] == f"{mooncake}.{cls_name}"}
+        assert set(listed) - set(kinds) <= {"prefill_info", "kv_status_msg_carries_reason"}, (
+            cls_name,
+            listed.keys() - kinds,
+        )
+        assert kinds.items() <= listed.items(), (cls_name, kinds.items() - listed.items())
+
+
+def test_the_decode_hook_does_not_fall_back_to_request_order_on_a_renamed_name():
+    """Issue 47: `prefill_owner_cp_size` read SGLang's objects through `getattr(..., default)`, so a
+    renamed `DecodeRequest.kv_receiver` quietly gave CP 1 (request order). It now reads them
+    directly: a missing name raises, naming it (and the ledger refuses it at start-up)."""
+    from types import SimpleNamespace
+
+    from sglang_nsa_cp.sglang_ext.disaggregation.decode import prefill_owner_cp_size
+
+    req = object()
+    info = SimpleNamespace(enable_kv_cache_sharding=True, attn_cp_size=4)
+    queue = SimpleNamespace(queue=[SimpleNamespace(req=req, kv_receiver=SimpleNamespace(prefill_info=info))])
+    assert prefill_owner_cp_size(queue, req) == 4
+    queue.queue[0] = SimpleNamespace(req=req, receiver=SimpleNamespace(prefill_info=info))
+    with pytest.raises(AttributeError, match="kv_receiver"):
+        prefill_owner_cp_size(queue, req)
 
 
 def test_sglang_refusing_the_resolution_hooks_refuses_the_flag(plugin, model, sm90, monkeypatch):

@@ -6,8 +6,8 @@ RESOLUTION steps (`register_resolution_hook`). SGLang's `HookRegistry.apply_hook
 target it cannot patch and carries on, so `check_patch_points()` fails closed: with the flag,
 start-up refuses, naming the hook, when a hook does not import or SGLang refused it, a target (or
 an SGLang method a hook's subclass overrides, or an SGLang function whose math the plugin copies)
-no longer resolves or changed signature or body (`fingerprint`), a private SGLang name an override
-relies on is gone or changed kind, or a hook is not installed. The launcher checks during argument
+no longer resolves or changed signature or body (`fingerprint`), an SGLang name (private or not)
+a hook or an override reads is gone or changed kind, or a hook is not installed. The launcher checks during argument
 resolution, on a prefill and on a decode (the flag there is the decode's opt-in), and each of
 their schedulers again before it sizes its KV pool (`require_patch_points()`, from the
 `make_page_shard_spec` hook): every process that applies a hook.
@@ -33,7 +33,7 @@ from importlib import import_module
 
 PACKAGE = "sglang_nsa_cp.sglang_ext"
 KINDS = ("BEFORE", "AFTER", "AROUND", "RESOLUTION")
-NAME_KINDS = ("method", "attribute")  # what a private SGLang name an override relies on must be
+NAME_KINDS = ("method", "attribute")  # what an SGLang name the plugin relies on must be
 RECORDED_FOR = "0.5.23"  # the SGLang version the fingerprints below were recorded on
 
 
@@ -48,8 +48,9 @@ class PatchPoint:
     that the subclass the hook installs (the classes a hook answers or adopts) overrides,
     each with its fingerprint, checked like the target's. copies: SGLang functions whose math the
     plugin's code reproduces (the fused fp8 store: SGLang's quantizer), fingerprinted the same way.
-    relies_on: the private SGLang names those
-    overrides read, each with its kind ("method", or "attribute": set on `self` by SGLang's class).
+    relies_on: the SGLang names (private or
+    not) those overrides and the hook read on SGLang's objects, each `Class.name` with its kind
+    ("method", or "attribute": a class attribute, a field, or set on `self` by SGLang's class).
     """
 
     target: str
@@ -60,7 +61,7 @@ class PatchPoint:
     upstream: str
     overrides: tuple[tuple[str, str], ...] = ()  # (SGLang method, fingerprint) a hook's subclass overrides
     copies: tuple[tuple[str, str], ...] = ()  # (SGLang function, fingerprint) whose math the plugin's code copies
-    relies_on: tuple[tuple[str, str], ...] = ()  # (SGLang private name, its kind) the overrides use
+    relies_on: tuple[tuple[str, str], ...] = ()  # (SGLang `Class.name`, its kind) the plugin reads
 
     def __post_init__(self):
         assert self.kind in KINDS, f"{self.target}: kind {self.kind!r} not in {KINDS}"
@@ -92,6 +93,26 @@ _NARROW = "SGLang gathers only last-token rows for CP batches that need no more"
 _SHARDED_PD = "SGLang keys its sharded PD transfer on the pool, not its own flag, and checks coverage on the decode"
 _POOL = f"{_S}mem_cache.page_interleave_pool.PageInterleaveDSATokenToKVPool"
 _QUANT = "sglang.kernels.ops.quantization.dsa_quant_k_cache"  # SGLang's fp8 DSA quantizer
+
+
+def _names(owner: str, names: str, methods: tuple[str, ...] = ("_prefill_unique_rank", "check_status",
+           "conclude_failure")) -> tuple[tuple[str, str], ...]:  # fmt: skip
+    """`relies_on` entries: SGLang's `owner` class and the space-separated attribute `names` the
+    plugin reads on its objects (those in `methods` are methods)."""
+    return tuple((f"{owner}.{name}", "method" if name in methods else "attribute") for name in names.split())
+
+
+# What the PD subclasses, the status guard and the decode hook read on SGLang's objects.
+_PD_MANAGER_NAMES = (
+    "_deferred_abort_ack_tracker _prefill_unique_rank _staging_handler check_status conclude_failure "
+    "defer_decode_allocation disaggregation_mode enable_staging failure_lock failure_records kv_args "
+    "kv_status_msg_carries_reason kv_status_msg_tag prefill_response_tracker request_status "
+    "required_prefill_response_num_table transfer_infos"
+)
+_PD_RECEIVER_NAMES = "bootstrap_room kv_mgr prefill_info required_dst_info_num"
+_PREFILL_INFO_NAMES = (
+    "attn_cp_size enable_kv_cache_sharding pp_size target_cp_ranks target_pp_ranks target_tp_rank target_tp_ranks"
+)
 
 # Fixed order: the flag before the validation that reads it, pools before the forward hooks.
 LEDGER: tuple[PatchPoint, ...] = (
@@ -158,9 +179,15 @@ LEDGER: tuple[PatchPoint, ...] = (
                    (f"{_MOONCAKE}.MooncakeKVReceiver._check_waiting_timeout", "f4ca892d9e9f:98aa350de03a"),
                    (f"{_MOONCAKE}.MooncakeKVReceiver._clear", "f4ca892d9e9f:76ebc71f62dd"),
                ),
-               relies_on=((f"{_MOONCAKE}.MooncakeKVManager._deferred_abort_ack_tracker", "attribute"),
-                          (f"{_MOONCAKE}.MooncakeKVManager._prefill_unique_rank", "method"),
-                          (f"{_MOONCAKE}.MooncakeKVManager._staging_handler", "attribute"))),
+               relies_on=(*_names(f"{_MOONCAKE}.MooncakeKVManager", _PD_MANAGER_NAMES),
+                          *_names(f"{_MOONCAKE}.MooncakeKVSender", "bootstrap_room curr_idx kv_mgr num_kv_indices"),
+                          *_names(f"{_MOONCAKE}.MooncakeKVReceiver", _PD_RECEIVER_NAMES),
+                          *_names(f"{_S}disaggregation.base.conn.KVArgs", "aux_data_lens aux_data_ptrs aux_item_lens "
+                                  "kv_data_lens kv_item_lens state_types"),
+                          *_names(f"{_MOONCAKE}.TransferInfo", "dst_kv_indices dst_port dst_state_indices endpoint "
+                                  "is_dummy room"),
+                          *_names(f"{_COMMON}.PrefillServerInfo", _PREFILL_INFO_NAMES),
+                          *_names(f"{_COMMON}.DeferredAbortAckState", "generation"))),
     PatchPoint(f"{_COMMON}.get_zmq_socket_on_host", "AROUND", "disaggregation.common.conn:limit_status_frames",
                "1528319d6891:702d2a64029e", "a decode manager's status socket gets ZMQ_MAXMSGSIZE and a 64-message ZMQ_RCVHWM before it "
                "binds", _SHARDED_PD),
@@ -168,7 +195,12 @@ LEDGER: tuple[PatchPoint, ...] = (
     PatchPoint(f"{_S}disaggregation.decode.DecodePreallocQueue._alloc_for_decode_prealloc", "AROUND",
                "disaggregation.decode:allocate_grouped_by_owner", "3543d1920c47:c2fcc2927ba4",
                "decode: re-deals a request's pages so each prefill rank's owned positions form one run",
-               "SGLang's decode allocator learns the prefill's page ownership"),
+               "SGLang's decode allocator learns the prefill's page ownership",
+               relies_on=(*_names(f"{_S}disaggregation.decode.DecodePreallocQueue", "kv_manager queue"),
+                          *_names(f"{_S}disaggregation.decode.DecodeRequest", "kv_receiver req"),
+                          *_names(f"{_MOONCAKE}.MooncakeKVReceiver", "bootstrap_addr prefill_info"),
+                          *_names(f"{_MOONCAKE}.MooncakeKVManager", "prefill_info_table"),
+                          *_names(f"{_COMMON}.PrefillServerInfo", "attn_cp_size enable_kv_cache_sharding"))),
 )  # fmt: skip
 
 
@@ -343,8 +375,13 @@ def attributes_set_on_self(cls: type) -> frozenset[str]:
     return frozenset(names)
 
 
-def _private_name_problem(name: str, kind: str) -> str | None:
-    """What is wrong with the private SGLang `name` an override relies on as a `kind`, if anything."""
+def _declared_fields(cls: type) -> set[str]:
+    """Fields SGLang's classes declare (annotations: dataclasses, `KVArgs`), over the MRO."""
+    return {n for klass in cls.__mro__ if klass.__module__.startswith("sglang.") for n in vars(klass).get("__annotations__", {})}  # fmt: skip
+
+
+def _name_problem(name: str, kind: str) -> str | None:
+    """What is wrong with the SGLang `name` the plugin relies on as a `kind`, if anything."""
     owner, attr = name.rsplit(".", 1)
     try:
         cls = resolve_sglang(owner)
@@ -366,17 +403,17 @@ def _private_name_problem(name: str, kind: str) -> str | None:
         )
     if is_method:
         return "is now a method, not an attribute"
-    if static is not None or attr in attributes_set_on_self(cls):
+    if static is not None or attr in attributes_set_on_self(cls) or attr in _declared_fields(cls):
         return None
     return "is no longer set by SGLang's class (renamed or removed)"
 
 
 def _relies_on_problem(point: PatchPoint) -> str | None:
     for name, kind in point.relies_on:
-        problem = _private_name_problem(name, kind)
+        problem = _name_problem(name, kind)
         if problem:
             return (
-                f"it relies on SGLang's private `{name}` ({kind}), which {problem}; port the override to "
+                f"it relies on SGLang's `{name}` ({kind}), which {problem}; port the override to "
                 f"the installed SGLang and update `relies_on` in sglang_ext/ledger.py, or install "
                 f"sglang=={RECORDED_FOR}"
             )
@@ -455,15 +492,15 @@ def markdown_table() -> str:
         lines.append(f"| `{p.target}` | {p.kind} | {'yes' if p.private else ''} | {p.why} | {p.upstream} |")
     lines += ["", "SGLang methods the plugin's subclasses override (fingerprinted like the targets):", ""]
     for p in LEDGER:
-        if p.overrides:
+        if p.overrides or p.relies_on:
             methods = ", ".join(f"`{m.rsplit('.', 2)[-2]}.{m.rsplit('.', 1)[-1]}`" for m, _ in p.overrides)
-            lines.append(f"- through `{p.target}`: {methods}")
+            lines.append(f"- through `{p.target}`: {methods or 'no override'}")
             if p.copies:
                 copied = ", ".join(f"`{m.rsplit('.', 1)[-1]}`" for m, _ in p.copies)
                 lines.append(f"  - SGLang functions whose math the plugin copies, fingerprinted: {copied}")
             if p.relies_on:
-                names = ", ".join(f"`{n.rsplit('.', 1)[1]}` ({kind})" for n, kind in p.relies_on)
-                lines.append(f"  - SGLang private names these overrides use, checked for kind: {names}")
+                names = ", ".join(f"`{'.'.join(n.rsplit('.', 2)[-2:])}` ({kind})" for n, kind in p.relies_on)
+                lines.append(f"  - SGLang names the plugin reads there, checked for kind: {names}")
     lines += [
         "",
         "Environment the flag sets on a shared-KV prefill, where the operator did not (`os.environ.setdefault`):",

@@ -63,7 +63,7 @@ import pytest  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from helpers import sglang_pd_harness as PD  # noqa: E402
-from helpers.status_guard_decode import idle_manager  # noqa: E402
+from helpers.status_guard_decode import NOW, idle_manager  # noqa: E402
 
 register_cpu_ci(est_time=120, suite="nsa-cp-test-cpu")
 
@@ -445,11 +445,14 @@ def test_the_frame_limit_is_on_the_status_socket_alone():
 
 
 def _deliver(mgr, room, rank, frame):
-    """One status message, as SGLang's decode thread handles it."""
+    """One status message, as SGLang's decode thread handles it (a message the plugin's parse
+    screens out, None, is skipped)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     msg = [str(room).encode(), str(KVPoll.Success).encode(), str(rank).encode(), b""] + ([frame] if frame else [])
     parsed = mgr.parse_kv_status_message(msg)
+    if parsed is None:
+        return
     mgr.apply_prefill_status(bootstrap_room=parsed[0], status=parsed[1], prefill_rank=parsed[2],
                              failure_reason=parsed[3])  # fmt: skip
 
@@ -463,6 +466,7 @@ def _expect(mgr, room, kv_pages=4):
     mgr.prefill_response_tracker[room] = set()
     mgr.required_prefill_response_num_table[room] = 2
     mgr.room_expectations[room] = RoomExpectation(kv_pages, kv_pages, 2)
+    mgr.room_nonces[room] = NOW  # this use of the room (its receiver draws it)
 
 
 def test_decode_manager_commits_only_full_coverage():
@@ -478,12 +482,14 @@ def test_decode_manager_commits_only_full_coverage():
                         4: {0: good[0], 1: None}}.items():  # fmt: skip
         _expect(mgr, room)
         for rank, manifest in sends.items():
-            _deliver(mgr, room, rank, manifest and encode_manifest(manifest, room, rank, None))
+            _deliver(mgr, room, rank, manifest and encode_manifest(manifest, room, rank, None, uses=[NOW]))
     assert mgr.request_status[1] == KVPoll.Success and 1 not in mgr.failure_records
     assert mgr.request_status[2] == KVPoll.Failed and "KV pages: missing positions [3]" in mgr.failure_records[2]
     assert mgr.request_status[3] == KVPoll.Success  # no manifests, no secret: a stock prefill, SGLang's rule
     assert mgr.request_status[4] == KVPoll.Failed and "[1] reported success without" in mgr.failure_records[4]
-    _deliver(mgr, 1, 1, encode_manifest(_manifest(1, [1], [11]), 1, 1, None))  # a late repeat cannot undo a commit
+    _deliver(
+        mgr, 1, 1, encode_manifest(_manifest(1, [1], [11]), 1, 1, None, uses=[NOW])
+    )  # a late repeat cannot undo a commit
     assert mgr.request_status[1] == KVPoll.Success
     assert not mgr.room_manifests and not mgr.manifest_inbox
 
@@ -505,7 +511,7 @@ def test_decode_thread_survives_hostile_manifest_frames_keyed_or_not():
         for i, (name, frame) in enumerate(hostile.items()):
             room = 10 + i
             _expect(mgr, room)
-            _deliver(mgr, room, 0, encode_manifest(good[0], room, 0, secret))
+            _deliver(mgr, room, 0, encode_manifest(good[0], room, 0, secret, uses=[NOW]))
             start = time.monotonic()
             _deliver(mgr, room, 1, frame)  # forged, as rank 1
             assert time.monotonic() - start < 0.2, name
@@ -523,11 +529,11 @@ def test_decode_thread_survives_hostile_manifest_frames_keyed_or_not():
                 )
                 continue
             assert mgr.request_status[room] == KVPoll.WaitingForInput, (name, mgr.failure_records.get(room))
-            _deliver(mgr, room, 1, encode_manifest(good[1], room, 1, secret))  # the real rank 1
+            _deliver(mgr, room, 1, encode_manifest(good[1], room, 1, secret, uses=[NOW]))  # the real rank 1
             assert mgr.request_status[room] == KVPoll.Success, (name, mgr.failure_records.get(room))
         _expect(mgr, 99)
         for rank, m in good.items():
-            _deliver(mgr, 99, rank, encode_manifest(m, 99, rank, secret))
+            _deliver(mgr, 99, rank, encode_manifest(m, 99, rank, secret, uses=[NOW]))
         assert mgr.request_status[99] == KVPoll.Success
 
 

@@ -557,6 +557,83 @@ def test_the_guard_cuts_a_frame_before_it_reprs_it():
     assert "room b'\\xff\\xff" in drops.recent[0][1] and len(drops.recent[0][1]) < 100, drops.recent[0]
 
 
+def test_each_success_is_parsed_once_and_its_manifest_decoded_once(monkeypatch):
+    """Issue 47: the guard parsed a status and decoded (MAC-checked) its manifest, then the
+    plugin's `parse_kv_status_message` did both again. Through SGLang's decode thread, a keyed
+    room's two Successes now cost one manifest decode each and no second parse of SGLang's layout:
+    the guard's parse rides on the message."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.conn import CommonKVManager
+
+    from sglang_nsa_cp.sglang_ext.disaggregation import owned_pages, status_guard
+    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake import conn
+
+    decodes, sglang_parses = [], []
+
+    def counting_decode(*args, **kwargs):
+        decodes.append(kwargs.get("prefill_rank"))
+        return owned_pages.decode_manifest(*args, **kwargs)
+
+    sglangs_parse = CommonKVManager.parse_kv_status_message
+
+    def counting_parse(self, msg):
+        sglang_parses.append(msg)
+        return sglangs_parse(self, msg)
+
+    for module in (status_guard, conn):
+        monkeypatch.setattr(module, "decode_manifest", counting_decode, raising=False)
+    monkeypatch.setattr(CommonKVManager, "parse_kv_status_message", counting_parse)
+    mgr = idle_manager(secret=SECRET)
+    make_receiver(mgr)
+    decode = DecodeThread(mgr)
+    try:
+        decode.push([success_message(rank, secret=SECRET, use=mgr.room_nonces[ROOM]) for rank in (0, 1)])
+        wait_for(lambda: mgr.request_status[ROOM] == KVPoll.Success, f"the commit: {mgr.failure_records}")
+    finally:
+        decode.close()
+    assert sorted(decodes) == [0, 1], f"manifest decodes per Success: {decodes}"
+    assert sglang_parses == [], f"{len(sglang_parses)} second parse(s) of the status layout"
+
+
+def test_a_fault_in_the_guard_is_surfaced_and_the_message_handled_as_sglang_would(monkeypatch, caplog):
+    """Issue 47: the guard caught every exception and dropped the message, so a bug in it dropped
+    genuine statuses and rooms timed out. A fault (here injected into the status check) is now
+    counted (`DropLog.faults`), logged once per room with the room, and the message goes to SGLang's
+    decode thread unchecked: a Failed fails its room with its reason. In a keyed room an unchecked
+    Success still cannot commit (no checked manifest)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from sglang_nsa_cp.sglang_ext.disaggregation import status_guard
+
+    def broken_check(mgr, msg):
+        raise RuntimeError("injected bug in the status check")
+
+    monkeypatch.setattr(status_guard, "_status", broken_check)
+    mgr = idle_manager()
+    make_receiver(mgr, owner_sharded=False)
+    decode = DecodeThread(mgr)
+    try:
+        with caplog.at_level(logging.ERROR):
+            decode.push([status_message(ROOM, int(KVPoll.Failed), 0, b"rank 0 failed")] * 2)
+            wait_for(lambda: mgr.dropped_messages.faults == 2, "both faults counted")
+        assert mgr.request_status[ROOM] == KVPoll.Failed and mgr.failure_records[ROOM] == "rank 0 failed"
+        assert mgr.dropped_messages.count == 0 and decode.thread.is_alive()
+        lines = [r.getMessage() for r in caplog.records if "status guard failed" in r.getMessage()]
+        assert len(lines) == 1 and f"room {ROOM}" in lines[0] and "injected bug" in lines[0], lines
+    finally:
+        decode.close()
+    keyed = idle_manager(secret=SECRET)
+    make_receiver(keyed)
+    decode = DecodeThread(keyed)
+    try:
+        decode.push([success_message(rank, secret=SECRET, use=keyed.room_nonces[ROOM]) for rank in (0, 1)])
+        wait_for(lambda: keyed.dropped_messages.faults == 2 and keyed.dropped_messages.count == 2, "both Successes")
+        assert keyed.request_status[ROOM] == KVPoll.Bootstrapping, keyed.failure_records
+        assert "no checked owned-page manifest" in keyed.dropped_messages.recent[-1][1]
+    finally:
+        decode.close()
+
+
 def test_the_status_socket_queues_few_messages_per_connection():
     """Finding 3: SGLang's status socket queues without limit (its RCVHWM is 0). Built through the
     hook it queues STATUS_RCVHWM whole messages per connection; a sender past that waits."""
@@ -637,6 +714,36 @@ def test_what_the_metadata_channel_can_make_a_prefill_keep_is_bounded():
         assert list(held) == [6, 7, 8, 9] and all(len(uses) == MAX_USES for uses in held.values())
         held.drop(9)
         assert held.sessions == 3 * MAX_USES
+
+
+def test_a_metadata_flood_for_made_up_rooms_never_evicts_a_room_in_flight():
+    """Issue 47: 65,536 metadata messages for made-up rooms (no room id needed) evicted the genuine
+    rooms' nonces from the prefill's map, oldest first, and every room in flight then failed
+    although its pages arrived. A room a sender of the rank still serves (SGLang's sender
+    registered its status) is now passed over: the flood evicts made-up rooms only, and the
+    genuine room's destination check still finds its decode's nonce."""
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake import conn
+
+    prefill = object.__new__(conn.OwnedPageKVManager)
+    prefill.request_status = {ROOM: KVPoll.WaitingForInput}  # this rank's sender serves ROOM
+    prefill.destination_nonces = conn.NoncesByRoom(live=prefill._has_live_sender)
+    prefill.transfer_infos = {ROOM: {"decode:1": SimpleNamespace(is_dummy=False, endpoint="127.0.0.1", dst_port=17001)}}
+    prefill._note_use_nonce(metadata_message(ROOM, "decode:1", NOW))
+    template = metadata_message(0, "attacker", NOW)
+    for room in range(100, 100 + conn.MAX_NOTED_ROOMS + 100):
+        prefill._note_use_nonce([b"%d" % room, *template[1:]])
+    held = prefill.destination_nonces
+    assert len(held) == conn.MAX_NOTED_ROOMS and dict(held[ROOM]) == {"decode:1": NOW}
+    assert prefill._destination_problem(ROOM) is None
+    assert 100 not in held and 100 + conn.MAX_NOTED_ROOMS + 99 in held  # made-up rooms went, oldest first
+    del prefill.request_status[ROOM]  # its sender cleared: an ordinary room, evicted by the next flood
+    for room in range(10**6, 10**6 + conn.MAX_NOTED_ROOMS):
+        prefill._note_use_nonce([b"%d" % room, *template[1:]])
+    assert ROOM not in held
 
 
 # ---- the real thing: the owned-page PD harness ------------------------------------------------

@@ -28,18 +28,18 @@ _logged_cp_sizes: set[int] = set()
 
 def prefill_owner_cp_size(queue, req) -> int:
     """N when `req`'s prefill shards pages by owner across N > 1 CP ranks, else 1: read from the
-    bootstrap info its receiver fetched (`prefill_info_table`, before pre-allocation)."""
-    decode_req = next((d for d in getattr(queue, "queue", ()) if getattr(d, "req", None) is req), None)
-    receiver = getattr(decode_req, "kv_receiver", None)
-    if receiver is None:
+    bootstrap info its receiver fetched (`prefill_info_table`, before pre-allocation). Every
+    SGLang name read here is in the ledger's `relies_on` (a rename refuses at start-up)."""
+    decode_req = next((d for d in queue.queue if d.req is req), None)
+    if decode_req is None:
         return 1
-    info = getattr(receiver, "prefill_info", None)
+    receiver = decode_req.kv_receiver
+    info = vars(receiver).get("prefill_info")  # set by the receiver's `init()`
     if info is None:
-        table = getattr(getattr(queue, "kv_manager", None), "prefill_info_table", None) or {}
-        info = table.get(getattr(receiver, "bootstrap_addr", None))
-    if info is None or not getattr(info, "enable_kv_cache_sharding", False):
+        info = queue.kv_manager.prefill_info_table.get(receiver.bootstrap_addr)
+    if info is None or not info.enable_kv_cache_sharding:
         return 1
-    return max(1, int(getattr(info, "attn_cp_size", 1) or 1))
+    return max(1, int(info.attn_cp_size))
 
 
 def allocate_grouped_by_owner(original, self, allocator, **kwargs):

@@ -12,7 +12,12 @@ rest (docs/upstream.md, item 7)::
 
 A message with a problem is dropped as if never sent and logged at most once per 10 s
 (`DropLog`; a late status of a room no longer waiting only at debug level, as SGLang does; the
-last drop of a waiting room goes into its timeout's reason). A status counts only for a waiting
+last drop of a waiting room goes into its timeout's reason). A status is parsed once, here, and
+a Success's manifest decoded (its MAC checked) once: the result rides on the message
+(`CheckedStatus`) to the plugin's `parse_kv_status_message`. Only the guard's own problems
+(`MessageProblem`) drop a message; any other exception is a fault of the guard: counted
+(`DropLog.faults`), logged once per room, and the message handed to SGLang unchecked
+(`Unchecked`), as SGLang would handle it. A status counts only for a waiting
 room, from a prefill rank the room targeted, and only if SGLang acts on it (Success, Failed, and
 WaitingForInput under deferred allocation; the rest it would only log). With
 SGLANG_NSA_CP_PD_SECRET, in a room whose prefill is owner-sharded at CP > 1 (`keyed_room`), a
@@ -27,6 +32,7 @@ import logging
 import struct
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from sglang.srt.disaggregation.base.conn import KVPoll
 
@@ -186,7 +192,26 @@ def _abort_ack(mgr, msg) -> None:
                     "that abort", late=True)  # fmt: skip
 
 
-def _status(mgr, msg) -> None:
+@dataclass(frozen=True, slots=True)
+class Status:
+    """The guard's one parse of a status message that may reach SGLang, handed on to
+    `parse_kv_status_message` (`CheckedStatus`). `manifest`: for a Success in a room this decode
+    asked for, the manifest decoded once (`RankClaims`), or the text of what is wrong with it
+    (the room's failure reason later); None without a manifest frame."""
+
+    room: int
+    status: int
+    prefill_rank: int
+    reason: bytes
+    manifest: object = None
+
+    def sglang_tuple(self) -> tuple[int, int, int, str | None]:
+        """What SGLang's `parse_kv_status_message` returns for the message (its reason decoding)."""
+        reason = self.reason.decode("utf-8", errors="replace") if self.reason else None
+        return self.room, self.status, self.prefill_rank, reason
+
+
+def _status(mgr, msg) -> Status:
     """[room, status, prefill rank, reason?, manifest?, status signature?]."""
     body = msg
     if mgr.kv_status_msg_tag is not None:
@@ -214,11 +239,42 @@ def _status(mgr, msg) -> None:
         raise _Drop(f"a {name} status for room {room}, which is not waiting on this decode", late=True)
     if status not in (SUCCESS, FAILED) and not (status == WAITING and mgr.defer_decode_allocation):
         raise _Drop(f"a {name} status, which SGLang's decode would only log (it acts on Success and Failed)")
-    targeted = getattr(mgr.room_expectations.get(room), "prefill_ranks", None)
-    if targeted is not None and rank not in targeted:
-        raise _Drop(f"a {name} status from prefill rank {rank}; room {room} targets prefill ranks {list(targeted)}")
-    if keyed_room(mgr, room):
+    expected = mgr.room_expectations.get(room)
+    if expected is not None and expected.prefill_ranks is not None and rank not in expected.prefill_ranks:
+        raise _Drop(
+            f"a {name} status from prefill rank {rank}; room {room} targets prefill ranks {list(expected.prefill_ranks)}"
+        )
+    keyed = keyed_room(mgr, room)
+    if keyed:
         _authenticate(mgr, room, status, rank, reason, manifest, signature)
+    claims = None
+    if manifest is not None and expected is not None:
+        claims = _decoded_manifest(mgr, room, rank, manifest, expected, keyed)
+    return Status(room, status, rank, reason, claims)
+
+
+def _decoded_manifest(mgr, room, rank, frame, expected, keyed):
+    """The one decode (and MAC check) of a Success's manifest frame: its claims, or the text of
+    what is wrong with it. Dropped: a manifest of another use (a replay, with or without the
+    secret), and with the secret one that did not authenticate."""
+    try:
+        return decode_manifest(
+            frame,
+            room=room,
+            prefill_rank=rank,
+            secret=mgr.pd_secret,
+            max_pages=expected.max_pages,
+            use=mgr.room_nonces.get(room),
+            max_uses=expected.uses,
+        )
+    except ManifestOfAnotherUse as e:
+        raise _Drop(f"a replay: {e}") from None
+    except UnauthenticatedManifest as e:
+        if keyed:
+            raise _Drop(cut(str(e), 300)) from None
+        return cut(str(e), 300)
+    except ValueError as e:  # keyed by that rank (or no secret), but malformed: the room's failure reason
+        return cut(str(e), 300)
 
 
 def keyed_room(mgr, room: int) -> bool:
@@ -232,8 +288,9 @@ def keyed_room(mgr, room: int) -> bool:
 
 
 def _authenticate(mgr, room, status, rank, reason, manifest, signature) -> None:
-    """With the secret: a Success by its manifest, anything else by its status signature, each
-    bound to this use of the room (its receiver drew the nonce before the room started waiting)."""
+    """With the secret: a Success by its manifest (decoded and its MAC checked by
+    `_decoded_manifest`), anything else by its status signature, each bound to this use of the
+    room (its receiver drew the nonce before the room started waiting)."""
     use = mgr.room_nonces.get(room)
     if use is None:
         raise _Drop(f"a {STATUS_NAMES[status]} status for room {room}, of which this decode knows no use")
@@ -247,27 +304,10 @@ def _authenticate(mgr, room, status, rank, reason, manifest, signature) -> None:
         if problem is not None:
             raise _Drop(problem)
         return
-    expected = mgr.room_expectations.get(room)
-    if expected is None:
+    if mgr.room_expectations.get(room) is None:
         raise _Drop(f"a Success for room {room}, whose pages this decode did not ask for")
     if manifest is None:
         raise _Drop("a Success without an owned-page manifest")
-    try:
-        decode_manifest(
-            manifest,
-            room=room,
-            prefill_rank=rank,
-            secret=mgr.pd_secret,
-            max_pages=expected.max_pages,
-            use=use,
-            max_uses=expected.uses,
-        )
-    except ManifestOfAnotherUse as e:
-        raise _Drop(f"a replay: {e}") from None
-    except UnauthenticatedManifest as e:
-        raise _Drop(cut(str(e), 300)) from None
-    except ValueError:
-        pass  # keyed by that rank, but malformed: the plugin's parser makes it the room's failure reason
 
 
 _CHECKS = {AUX_DATA: _aux_data, CHUNK_READY: _chunk_ready, STAGING_REQ: _staging_req, ABORT_ACK: _abort_ack}
@@ -275,20 +315,47 @@ _CHECKS = {AUX_DATA: _aux_data, CHUNK_READY: _chunk_ready, STAGING_REQ: _staging
 _ORIGIN = {AUX_DATA: (1, None), CHUNK_READY: (1, 6), STAGING_REQ: (1, None), ABORT_ACK: (1, 2)}
 
 
+def check_message(mgr, msg):
+    """What SGLang's decode thread may see of `msg` (a multipart message from the decode manager
+    `mgr`'s status socket): the message itself, or for a status a `CheckedStatus` carrying the
+    guard's parse. Raises `MessageProblem` (why it must not reach SGLang) for a malformed or
+    unauthenticated message, and nothing else on purpose: any other exception is a fault of the
+    guard (`guard_recv` surfaces it)."""
+    if not msg:
+        raise _Drop("an empty message")
+    if not all(isinstance(frame, bytes) for frame in msg):
+        raise _Drop("a frame that is not bytes")
+    check = _CHECKS.get(msg[0])
+    if check is not None:
+        check(mgr, msg)
+        return msg
+    return CheckedStatus(msg, _status(mgr, msg))
+
+
 def decode_message_problem(mgr, msg) -> str | None:
-    """Why SGLang's decode thread must not see `msg` (a multipart message from the decode
-    manager `mgr`'s status socket), or None. Never raises."""
+    """Why SGLang's decode thread must not see `msg`, or None (`check_message`'s verdict)."""
     try:
-        if not msg:
-            return "an empty message"
-        if not all(isinstance(frame, bytes) for frame in msg):
-            return "a frame that is not bytes"
-        _CHECKS.get(msg[0], _status)(mgr, msg)
+        check_message(mgr, msg)
     except _Drop as drop:
         return LateStatus(drop) if drop.late else str(drop)
-    except Exception as e:  # a gap in these checks must not end SGLang's decode thread either
-        return cut(f"the status guard could not check it ({type(e).__name__}: {e})", 300)
     return None
+
+
+MessageProblem = _Drop
+
+
+class CheckedStatus(list):
+    """A status message that passed the guard, with its parse (`status`), which the plugin's
+    `parse_kv_status_message` hands on instead of parsing the frames again."""
+
+    def __init__(self, msg, status: Status):
+        super().__init__(msg)
+        self.status = status
+
+
+class Unchecked(list):
+    """A message the guard failed on (a fault of the guard, not of the message): SGLang's decode
+    thread handles it as it would without the plugin (SGLang's own status parse)."""
 
 
 def claimed_origin(msg) -> str:
@@ -306,7 +373,10 @@ def claimed_origin(msg) -> str:
 
 def claimed_room(msg) -> int | None:
     """The room a message names, if it names one as a decimal, else None (not proof either)."""
-    kind = msg[0] if msg and msg[0] in _ORIGIN else b""
+    try:
+        kind = msg[0] if msg and msg[0] in _ORIGIN else b""
+    except TypeError:  # an unhashable frame (only the guard's fault path sees one)
+        return None
     at = _ORIGIN.get(kind, (0, 2))[0]
     frame = msg[at] if at < len(msg) else b""
     if isinstance(frame, bytes) and len(frame) <= MAX_DIGITS and frame.isdigit():
@@ -317,13 +387,18 @@ def claimed_room(msg) -> int | None:
 class DropLog:
     """The messages a decode's guard dropped: a count, the last few (origin, reason), the last
     one of each room still waiting (for its timeout's reason), and at most one warning line per
-    `interval_s` however many come (a `LateStatus` only at debug level)."""
+    `interval_s` however many come (a `LateStatus` only at debug level). Also the guard's own
+    faults (`note_fault`): counted in `faults`, logged once per room."""
+
+    MAX_FAULT_ROOMS = 1024  # rooms whose fault was logged; past it, at most one line per interval_s
 
     def __init__(self, interval_s: float = 10.0, clock=time.monotonic):
         self.count = 0
         self.recent = deque(maxlen=64)
         self.last_by_room = {}  # room waiting on the decode -> "origin: reason"; its receiver forgets it
         self.interval_s, self._clock, self._last_line = interval_s, clock, None
+        self.faults = 0  # messages the guard failed on, handed to SGLang unchecked
+        self._fault_rooms, self._last_fault_line = set(), None
 
     def note(self, origin: str, reason: str, room: int | None = None) -> None:
         """`room`: a room waiting on the decode whose message this was (None: none or unknown)."""
@@ -345,23 +420,53 @@ class DropLog:
                 reason,
             )
 
+    def note_fault(self, origin: str, room: int | None, error: BaseException) -> None:
+        """The guard raised `error` (not a `MessageProblem`) on a message claiming `room`."""
+        self.faults += 1
+        now = self._clock()
+        if room not in self._fault_rooms and len(self._fault_rooms) < self.MAX_FAULT_ROOMS:
+            self._fault_rooms.add(room)
+        elif self._last_fault_line is not None and now - self._last_fault_line < self.interval_s:
+            return
+        self._last_fault_line = now
+        logger.error(
+            "the status guard failed on %s (room %s; %d such message(s) so far): %s: %s; the message goes to "
+            "SGLang's decode thread unchecked, as SGLang would handle it. This is a bug of the plugin: report it",
+            origin,
+            room,
+            self.faults,
+            type(error).__name__,
+            cut(str(error), 300),
+            exc_info=error,
+        )
+
 
 def guard_recv(mgr, recv, drops: DropLog):
     """SGLang's decode-thread receive `recv`, returning None (which the thread skips) for a
-    message with a problem."""
+    message with a problem, a status with the guard's parse (`CheckedStatus`), and a message the
+    guard failed on `Unchecked` (surfaced in `drops.note_fault`)."""
 
     def recv_checked():
         msg = recv()
         if msg is None:
             return None
-        problem = decode_message_problem(mgr, msg)
-        if problem is None:
-            return msg
-        room = claimed_room(msg)
-        drops.note(claimed_origin(msg), problem, room if room in mgr.request_status else None)
-        return None
+        return screen(mgr, msg, drops)
 
     return recv_checked
+
+
+def screen(mgr, msg, drops: DropLog):
+    """`check_message`, a problem noted in `drops` (None returned), a fault of the guard surfaced."""
+    try:
+        return check_message(mgr, msg)
+    except _Drop as drop:
+        room = claimed_room(msg)
+        problem = LateStatus(drop) if drop.late else str(drop)
+        drops.note(claimed_origin(msg), problem, room if room in mgr.request_status else None)
+        return None
+    except Exception as error:  # a gap in the checks: surfaced, and the message is SGLang's
+        drops.note_fault(claimed_origin(msg), claimed_room(msg), error)
+        return Unchecked(msg)
 
 
 # ---- the status signature --------------------------------------------------------------------------

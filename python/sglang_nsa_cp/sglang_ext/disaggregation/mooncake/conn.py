@@ -28,24 +28,27 @@ from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, MooncakeK
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_nsa_cp.disagg import auth
-from sglang_nsa_cp.disagg.manifest import cut
 from sglang_nsa_cp.sglang_ext.disaggregation.common.conn import limited_status_frames
 from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import (
-    MANIFEST_TAG,
     MAX_USES,
     USE_NONCE_BYTES,
     USE_NONCE_TAG,
-    ManifestOfAnotherUse,
     OwnedPageLedger,
     RoomExpectation,
-    UnauthenticatedManifest,
-    decode_manifest,
     encode_manifest,
     max_manifest_bytes,
     pool_pages,
     verify_manifests,
 )
-from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import DropLog, guard_recv, keyed_room, sign_status
+from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import (
+    CheckedStatus,
+    DropLog,
+    Unchecked,
+    guard_recv,
+    keyed_room,
+    screen,
+    sign_status,
+)
 from sglang_nsa_cp.sglang_ext.server_args import FLAG, is_enabled
 
 logger = logging.getLogger(__name__)
@@ -78,35 +81,45 @@ class _Uses(dict):
 
 class NoncesByRoom(dict):
     """room -> _Uses, bounded: at most MAX_NOTED_ROOMS rooms and MAX_NOTED_SESSIONS sessions in all,
-    the oldest rooms going first. A session's first nonce stays."""
+    the oldest rooms going first, except a room `live(room)` says a sender of this rank still
+    serves (a flood of metadata for made-up rooms evicts those, never a room in flight; a live
+    room passed over moves to the new end, so each eviction costs O(1) amortized). When every
+    room held is live, a new one is not noted (its transfer then fails naming the bound). A
+    session's first nonce stays."""
 
-    def __init__(self):
+    def __init__(self, live=lambda room: False):
         super().__init__()
         self.sessions = 0
+        self.live = live
 
     def note(self, room: int, session: str, declared: int, nonce: bytes | None) -> None:
         """`nonce` None: the session's metadata carried none (a decode that did not opt in)."""
         uses = self.get(room)
         if uses is None:
             while len(self) >= MAX_NOTED_ROOMS:
-                self.drop(next(iter(self)))
+                if not self._evict_one(keep=room):
+                    return
             uses = self[room] = _Uses(max(1, min(declared, MAX_USES)))
         if session in uses or len(uses) >= uses.limit:
             return
-        while self.sessions >= MAX_NOTED_SESSIONS and next(iter(self)) != room:
-            self.drop(next(iter(self)))
-        if self.sessions < MAX_NOTED_SESSIONS:
-            uses[session] = nonce
-            self.sessions += 1
+        while self.sessions >= MAX_NOTED_SESSIONS:
+            if not self._evict_one(keep=room):
+                return
+        uses[session] = nonce
+        self.sessions += 1
+
+    def _evict_one(self, keep: int) -> bool:
+        """Drop the oldest room that is neither `keep` nor live; False if there is none."""
+        for _ in range(len(self)):
+            room = next(iter(self))
+            if room != keep and not self.live(room):
+                self.drop(room)
+                return True
+            self[room] = self.pop(room)  # passed over: to the new end
+        return False
 
     def drop(self, room: int) -> None:
         self.sessions -= len(self.pop(room, ()))
-
-
-class _Unauthenticated(str):
-    """Why a status's manifest frame did not authenticate (with the secret) or answers another
-    use of its room (with or without): such a status is dropped as if it never came, so a forged
-    or replayed Success neither commits nor fails a room."""
 
 
 _UNPROTECTED = {
@@ -140,7 +153,8 @@ class OwnedPageKVManager(MooncakeKVManager):
         # SGLang starts the manager's threads inside __init__: the state they read comes first.
         self.owned_pages_ledger: OwnedPageLedger | None = None  # prefill, shared KV only
         self.outgoing_manifests = {}  # prefill: room -> manifest being concluded
-        self.destination_nonces = NoncesByRoom()  # prefill: room -> {decode session: nonce of its use of the room}
+        # prefill: room -> {decode session: nonce of its use of the room}; a room in flight is never evicted
+        self.destination_nonces = NoncesByRoom(live=self._has_live_sender)
         self.room_nonces = {}  # decode: room -> nonce of this use of the room (sent with the metadata)
         self.manifest_inbox = {}  # decode: (room, prefill rank) -> manifest parsed, not applied yet
         self.room_manifests = {}  # decode: room -> {prefill rank: manifest}
@@ -208,6 +222,11 @@ class OwnedPageKVManager(MooncakeKVManager):
         else:
             self.destination_nonces.note(room, session, declared, None)
 
+    def _has_live_sender(self, room: int) -> bool:
+        """Whether a sender of this rank serves `room` (SGLang's sender registers its room's status
+        when it is created and its `clear` removes it)."""
+        return room in self.request_status
+
     def _destination_problem(self, room: int) -> str | None:
         """Why a decode destination of `room` cannot take owned pages: it did not opt in (no use
         nonce on its metadata), or its nonce is not held (more rooms noted than the bound)."""
@@ -225,7 +244,7 @@ class OwnedPageKVManager(MooncakeKVManager):
                 return (
                     f"owned-page transfer of room {room}: no use nonce held for decode {info.endpoint}:"
                     f"{info.dst_port} (the prefill holds at most {MAX_NOTED_ROOMS} rooms' nonces, the oldest "
-                    "going first), so its manifests could not answer that decode's use of the room"
+                    "rooms not in flight going first), so its manifests could not answer that decode's use of the room"
                 )
         return None
 
@@ -273,8 +292,7 @@ class OwnedPageKVManager(MooncakeKVManager):
                         return None
             ledger.queue_kv(bootstrap_room, positions, local)
             if is_last_chunk and state_indices:
-                types = getattr(self.kv_args, "state_types", [])
-                dsa = [i for i, st in enumerate(types) if st == StateType.DSA]
+                dsa = [i for i, st in enumerate(self.kv_args.state_types) if st == StateType.DSA]
                 if any(i < len(state_indices) and state_indices[i] is not None for i in dsa):
                     ledger.expect_index(bootstrap_room)
         return super().add_transfer_request(
@@ -289,7 +307,7 @@ class OwnedPageKVManager(MooncakeKVManager):
         ledger = self.owned_pages_ledger
         if ledger is None:
             return super().maybe_send_extra(req, prefill_state_indices, executor, *args, **kwargs)
-        types = list(getattr(self.kv_args, "state_types", []))
+        types = list(self.kv_args.state_types)
         indices = list(prefill_state_indices)
         dst_lists = list(req.dst_state_indices)
         for i, st in enumerate(types):
@@ -359,36 +377,22 @@ class OwnedPageKVManager(MooncakeKVManager):
         return parts if nonce is None else list(parts) + [USE_NONCE_TAG + nonce]
 
     def parse_kv_status_message(self, msg):
-        """Keeps the manifest frame of a status message for `apply_prefill_status` (the decode
-        thread calls both, in that order). Only a room this decode asked for is parsed, up to the
-        size that room needs; what is wrong with a frame becomes a string (the room's failure
-        reason later), never an exception here."""
-        parsed = super().parse_kv_status_message(msg)
-        if parsed is None:
-            return parsed
-        body = msg[1:] if self.kv_status_msg_tag is not None else msg
-        frame = body[4] if len(body) > 4 else b""
-        room, _, prefill_rank, _ = parsed
-        expected = self.room_expectations.get(room)
-        if expected is not None and frame.startswith(MANIFEST_TAG):
-            keyed = keyed_room(self, room)
-            try:
-                manifest = decode_manifest(
-                    frame,
-                    room=room,
-                    prefill_rank=prefill_rank,
-                    secret=self.pd_secret,
-                    max_pages=expected.max_pages,
-                    use=self.room_nonces.get(room),
-                    max_uses=expected.uses,
-                )
-            except UnauthenticatedManifest as e:
-                other_use = isinstance(e, ManifestOfAnotherUse)
-                manifest = _Unauthenticated(cut(str(e), 300)) if keyed or other_use else cut(str(e), 300)
-            except ValueError as e:
-                manifest = cut(str(e), 300)
-            self.manifest_inbox[(room, prefill_rank)] = manifest
-        return parsed
+        """SGLang's (room, status, prefill rank, reason) from the guard's one parse of the message
+        (`status_guard.CheckedStatus`; a message that did not come through the guard is screened
+        here the same way), keeping the manifest the guard decoded for `apply_prefill_status`
+        (the decode thread calls both, in that order). A message the guard failed on
+        (`Unchecked`) gets SGLang's own parse and no manifest."""
+        if isinstance(msg, Unchecked):
+            return super().parse_kv_status_message(msg)
+        if not isinstance(msg, CheckedStatus):
+            msg = screen(self, msg, self.dropped_messages)
+            if not isinstance(msg, (CheckedStatus, Unchecked)):
+                return None
+            return self.parse_kv_status_message(msg)
+        status = msg.status
+        if status.manifest is not None:
+            self.manifest_inbox[(status.room, status.prefill_rank)] = status.manifest
+        return status.sglang_tuple()
 
     def apply_prefill_status(self, *, bootstrap_room, status, prefill_rank, failure_reason=None):
         """When the last expected Success of a room whose senders send manifests (every room of an
@@ -409,9 +413,8 @@ class OwnedPageKVManager(MooncakeKVManager):
         if status != KVPoll.Success or current in (None, KVPoll.Success, KVPoll.Failed) or responders is None:
             return apply(status, failure_reason)  # not a Success, or the room is already decided
         origin = f"Success of room {bootstrap_room} from prefill rank {prefill_rank}"
-        if isinstance(manifest, _Unauthenticated) or (keyed and manifest is None):
-            why = manifest or "no owned-page manifest frame"
-            return self.dropped_messages.note(origin, why, bootstrap_room)
+        if keyed and manifest is None:  # only a message the guard failed on gets here so
+            return self.dropped_messages.note(origin, "no checked owned-page manifest", bootstrap_room)
         if prefill_rank in self.room_manifests.get(bootstrap_room, ()):  # a replay within this use
             return self.dropped_messages.note(origin, "a second Success from that rank for this use", bootstrap_room)
         if manifest is not None or keyed:
@@ -471,7 +474,7 @@ class OwnedPageKVSender(MooncakeKVSender):
 def _expected_prefill_ranks(receiver, every_tp_rank: bool = False) -> list[int]:
     """Prefill unique ranks (`CommonKVManager._prefill_unique_rank`) a receiver waits for (with
     `every_tp_rank`: every rank it sends its metadata to, dummy TP ranks included)."""
-    info = getattr(receiver, "prefill_info", None)
+    info = vars(receiver).get("prefill_info")  # SGLang's `init()` sets it (a name the ledger checks)
     if info is None or info.target_cp_ranks is None:
         return []
     tp_ranks = list(info.target_tp_ranks or [])
@@ -502,9 +505,9 @@ class OwnedPageKVReceiver(MooncakeKVReceiver):
         """Remember what this decode asks for in the room (destination pages of each kind, the
         prefill CP size and ranks it targets, its destinations) before asking, so a status that
         answers at once is checked against it."""
-        info = getattr(self, "prefill_info", None)
+        info = vars(self).get("prefill_info")  # set by SGLang's `init()`, which failed if the prefill is gone
         if info is not None and info.attn_cp_size:
-            types = list(getattr(self.kv_mgr.kv_args, "state_types", []) or [])
+            types = list(self.kv_mgr.kv_args.state_types)
             dsa = [s for i, s in enumerate(state_indices or []) if i < len(types) and types[i] == StateType.DSA]
             index_pages = len(dsa[0]) if dsa and dsa[0] is not None else None
             self.kv_mgr.room_expectations[self.bootstrap_room] = RoomExpectation(
@@ -512,8 +515,8 @@ class OwnedPageKVReceiver(MooncakeKVReceiver):
                 index_pages,
                 int(info.attn_cp_size),
                 prefill_ranks=tuple(_expected_prefill_ranks(self, every_tp_rank=True)) or None,
-                uses=max(1, int(getattr(self, "required_dst_info_num", None) or 1)),
-                owner_sharded=bool(getattr(info, "enable_kv_cache_sharding", False)) and int(info.attn_cp_size) > 1,
+                uses=max(1, int(self.required_dst_info_num or 1)),
+                owner_sharded=bool(info.enable_kv_cache_sharding) and int(info.attn_cp_size) > 1,
             )
         if aux_index is not None:  # the one slot a prefill may write this room's metadata to
             self.kv_mgr.room_aux_indices[self.bootstrap_room] = int(aux_index)
@@ -545,6 +548,6 @@ class OwnedPageKVReceiver(MooncakeKVReceiver):
         try:
             return super()._clear()
         finally:
-            mine = getattr(self, "use_nonce", None)
+            mine = self.use_nonce
             if self.kv_mgr.room_nonces.get(room, mine) is mine:
                 self.kv_mgr.forget_room(room)
