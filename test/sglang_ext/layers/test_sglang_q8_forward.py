@@ -1,4 +1,4 @@
-"""CPU, ~10 min (spawns of 1 and 2 gloo ranks): `--dsa-prefill-backend flashmla_sparse_q8`, SGLang
+"""CPU, ~6 min (four spawns of 2 gloo ranks): `--dsa-prefill-backend flashmla_sparse_q8`, SGLang
 0.5.23's SM90 fp8 prefill (q and KV cast to e4m3 per call), through SGLang's own DSA forward over
 its page-interleaved pool with the plugin's subclass (the tiny DeepSeek-V3.2 of
 sglang_model_harness.py, the batches of test_page_interleave_pool.py: new requests, a second
@@ -30,18 +30,16 @@ from helpers import sglang_cpu_stand_ins as S  # noqa: E402
 from helpers import sglang_model_harness as H  # noqa: E402
 from helpers.distributed import run_ranks  # noqa: E402
 
-register_cpu_ci(est_time=600, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=400, suite="nsa-cp-test-cpu")
 
 Q8 = "flashmla_sparse_q8"
 PLUGIN_POOL = "sglang_nsa_cp.sglang_ext.mem_cache.page_interleave_pool"
 # (run name, mode, ranks, --kv-cache-dtype, --dsa-prefill-backend)
 RUNS = (
-    ("off", "off", 1, "bfloat16", Q8),
     ("replicated", "replicated", 2, "bfloat16", Q8),
     ("sharded", "sharded", 2, "bfloat16", Q8),
     ("fp8-replicated", "replicated", 2, "fp8_e4m3", Q8),
     ("fp8-sharded", "sharded", 2, "fp8_e4m3", Q8),
-    ("bf16-kernel-replicated", "replicated", 2, "bfloat16", "flashmla_sparse"),  # the control: q8 changes logits
 )
 STEPS = [f"prefill batch {b}" for b in range(len(H.ROTATED_BATCHES))] + ["decode step"]
 
@@ -149,25 +147,6 @@ def test_shared_kv_equals_replicated_cp_under_q8_bit_for_bit(runs, sharded, repl
             assert torch.equal(got, want), f"{sharded}, {rank=}, {step}: max |diff| {(got - want).abs().max().item()}"
         for layer, (got, want) in enumerate(zip(r["decode_pool_latent"], rep["decode_pool_latent"], strict=True)):
             assert torch.equal(got, want), f"{sharded}, {rank=}, {layer=}: decode pool bytes differ from replicated"
-
-
-def test_q8_really_changes_the_arithmetic(runs):
-    """The control: FlashMLA's bf16 kernel over the same batches gives other logits (so q8 ran)."""
-    q8, bf16 = runs["replicated"][0]["logits"], runs["bf16-kernel-replicated"][0]["logits"]
-    assert runs["bf16-kernel-replicated"][0]["prefill_kernel_calls"][Q8] == 0
-    assert not torch.equal(q8[1], bf16[1]), "q8 and bf16 kernels gave the same logits"
-    for step, a, b in zip(STEPS, q8, bf16):
-        print(f"{step}: max |q8 - bf16 kernel| = {(a - b).abs().max().item():.4f} (logits up to {b.abs().max():.2f})")
-
-
-def test_cp_off_under_q8(runs):
-    """CP off under q8 (one rank): the batch without history equals CP's (as for flashmla_sparse);
-    the others may differ where SGLang's top-k breaks ties by position (docs/sglang_cpu_forward.md)."""
-    (off,) = runs["off"]
-    assert off["prefill_kernel_calls"][Q8] > 0, off["prefill_kernel_calls"]
-    for step, a, b in zip(STEPS, runs["sharded"][0]["logits"], off["logits"]):
-        print(f"{step}: shared == CP off: {torch.equal(a, b)}, max |diff| {(a - b).abs().max().item():.3e}")
-    assert torch.equal(runs["sharded"][0]["logits"][0], off["logits"][0])
 
 
 if __name__ == "__main__":
