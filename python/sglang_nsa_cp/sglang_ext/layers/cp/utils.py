@@ -36,23 +36,24 @@ def why_every_token(x, forward_batch) -> str | None:
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
     from sglang.srt.runtime_context import get_parallel
 
-    checks = (
-        (is_enabled(), "not a shared-KV prefill"),
-        (isinstance(x, torch.Tensor), f"the model body returned {type(x).__name__}, not a tensor"),
-        (is_interleave(), "not the interleave CP strategy"),
-        (get_parallel().attn_dp_size == 1, "DP attention"),
-        (forward_batch.forward_mode == ForwardMode.EXTEND, f"forward mode {forward_batch.forward_mode}"),
-        (not forward_batch.return_logprob, "the batch returns logprobs"),
-        (forward_batch.capture_hidden_mode == CaptureHiddenMode.NULL, "the batch captures hidden states"),
-        (forward_batch.spec_info is None, "speculative decoding"),
-        (getattr(forward_batch, "multi_item_delimiter_indices", None) is None, "multi-item scoring"),
-        (getattr(forward_batch, "token_indices_to_pool", None) is None, "token pooling"),
+    fb = forward_batch
+    checks = (  # in order, each read only once the ones before it hold
+        (is_enabled, "not a shared-KV prefill"),
+        (lambda: isinstance(x, torch.Tensor), f"the model body returned {type(x).__name__}, not a tensor"),
+        (is_interleave, "not the interleave CP strategy"),
+        (lambda: get_parallel().attn_dp_size == 1, "DP attention"),
+        (lambda: fb.forward_mode == ForwardMode.EXTEND, "not an extend forward"),
+        (lambda: not fb.return_logprob, "the batch returns logprobs"),
+        (lambda: fb.capture_hidden_mode == CaptureHiddenMode.NULL, "the batch captures hidden states"),
+        (lambda: fb.spec_info is None, "speculative decoding"),
+        (lambda: getattr(fb, "multi_item_delimiter_indices", None) is None, "multi-item scoring"),
+        (lambda: getattr(fb, "token_indices_to_pool", None) is None, "token pooling"),
         # SGLang's gather (interleave `_gather_interleaved_tensor`) takes x as this rank's interleave
         # rows whatever `attn_tp_sequence_sharded` says (DSA prefill CP clears that sharding); so does this
-        (_holds_local_rows(x, forward_batch), "the model body's rows are not this rank's interleave share"),
-        (getattr(forward_batch, "mm_input_embeds", None) is None, "multimodal input embeddings"),
+        (lambda: _holds_local_rows(x, fb), "the model body's rows are not this rank's interleave share"),
+        (lambda: getattr(fb, "mm_input_embeds", None) is None, "multimodal input embeddings"),
     )
-    return next((reason for ok, reason in checks if not ok), None)
+    return next((reason for holds, reason in checks if not holds()), None)
 
 
 def _holds_local_rows(x, forward_batch) -> bool:
