@@ -224,14 +224,14 @@ def cpu_test_times() -> str:
     path = os.path.join(RESULTS, "cpu_test_times.json")
     if not os.path.exists(path):
         return "Not run yet: `.venv/bin/python scripts/time_tree.py -- .venv/bin/python -m pytest -q FILE`."
-    lines = ["| file | wall s | CPU s (user + sys, whole tree) | CPU s / 2 (its least wall time on 2 cores) | peak PSS GiB | load avg (1 min) at start / end | commit |",
-             "| --- | ---: | ---: | ---: | ---: | --- | --- |"]  # fmt: skip
+    lines = ["| file | wall s | CPU s (user + sys, whole tree) | CPU s / 2 (its least wall time on 2 cores) | peak PSS GiB | load avg (1 min) at start / end | exit | commit |",
+             "| --- | ---: | ---: | ---: | ---: | --- | ---: | --- |"]  # fmt: skip
     for name, row in sorted(load("cpu_test_times.json")["files"].items()):
         p = row["provenance"]
         commit = p["commit"][:10] + (" + uncommitted changes" if p.get("dirty") else "")
         lines.append(f"| `{name}` | {row['wall_s']:.0f} | {row['cpu_s']:.0f} | {row['cpu_s'] / 2:.0f} | "
                      f"{row['peak_pss_gib']:.1f} | {row['load_average_start'][0]:.0f} / {row['load_average_end'][0]:.0f} | "
-                     f"{commit} |")  # fmt: skip
+                     f"{row['exit']} | {commit} |")  # fmt: skip
     return (
         "\n".join(lines)
         + "\n\nFrom `benchmark/results/cpu_test_times.json` (`scripts/time_tree.py`, one row per file)."
