@@ -240,6 +240,25 @@ def evidence() -> str:
     return "\n".join(lines)
 
 
+def cpu_test_times() -> str:
+    """Each timed test file's wall and CPU time (scripts/time_tree.py), with its commit and load."""
+    path = os.path.join(RESULTS, "cpu_test_times.json")
+    if not os.path.exists(path):
+        return "Not run yet: `.venv/bin/python scripts/time_tree.py -- .venv/bin/python -m pytest -q FILE`."
+    lines = ["| file | wall s | CPU s (user + sys, whole tree) | CPU s / 2 (its least wall time on 2 cores) | peak PSS GiB | load avg (1 min) at start / end | exit | commit |",
+             "| --- | ---: | ---: | ---: | ---: | --- | ---: | --- |"]  # fmt: skip
+    for name, row in sorted(load("cpu_test_times.json")["files"].items()):
+        p = row["provenance"]
+        commit = p["commit"][:10] + (" + uncommitted changes" if p.get("dirty") else "")
+        lines.append(f"| `{name}` | {row['wall_s']:.0f} | {row['cpu_s']:.0f} | {row['cpu_s'] / 2:.0f} | "
+                     f"{row['peak_pss_gib']:.1f} | {row['load_average_start'][0]:.0f} / {row['load_average_end'][0]:.0f} | "
+                     f"{row['exit']} | {commit} |")  # fmt: skip
+    return (
+        "\n".join(lines)
+        + "\n\nFrom `benchmark/results/cpu_test_times.json` (`scripts/time_tree.py`, one row per file)."
+    )
+
+
 # name -> (results file, or None for a renderer that reads several and names each; renderer of its table;
 # the command that writes the file: "not run yet" until it
 # exists with the fields the renderer reads)
@@ -251,12 +270,9 @@ BLOCKS: dict[str, tuple[str | None, Callable[..., str], str | None]] = {
         "bash scripts/gpu_run.sh layer (on 1 x H200), then copy $OUT/bench_glm5_layer_1xh200.json to benchmark/results/",
     ),
     "trace_replay_arms": ("bench_trace_replay.json", trace_replay_arms, "python benchmark/bench_trace_replay.py"),
-    "evidence": (None, evidence, None),
-    "scratch": (
-        "bench_scratch_bytes.json",
-        scratch,
-        "python benchmark/bench_scratch_bytes.py",
-    ),  # many files: each row names its own
+    "evidence": (None, evidence, None),  # many files: each row names its own
+    "scratch": ("bench_scratch_bytes.json", scratch, "python benchmark/bench_scratch_bytes.py"),
+    "cpu_test_times": (None, cpu_test_times, None),  # one row per timed file, each with its commit
     "alternatives": (
         "bench_trace_replay.json",
         alternatives,

@@ -39,11 +39,13 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 from sglang.test.ci.ci_register import CIRegistry, HWBackend, auto_partition, collect_tests, ut_parse_one_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PARTITION_ENV = "NSA_CP_TEST_PARTITION"  # read by test/helpers/sglang_servers.py (its ports)
 PER_TEST_TIMEOUT_S = 900  # pytest-timeout's limit per test, as scripts/test.sh gives it
 
 
@@ -213,6 +215,16 @@ def apply_times(path: str, test_dir: str) -> int:
     return changed
 
 
+def partition_env(part_id: int, part_size: int) -> dict:
+    """What partition I of N runs under, so that N partitions can run at once on one machine: its
+    number (test/helpers/sglang_servers.py gives each partition its own slice of the ports its
+    servers take) and its own temporary folder (pytest's tmp_path, SGLang's sockets)."""
+    tmp = tempfile.mkdtemp(prefix=f"nsa_cp_partition{part_id}of{part_size}_")
+    print(f"run_suite: partition {part_id} of {part_size}: {PARTITION_ENV}={part_id}/{part_size}, TMPDIR={tmp}",
+          flush=True)  # fmt: skip
+    return {PARTITION_ENV: f"{part_id}/{part_size}", "TMPDIR": tmp}
+
+
 def run_files(enabled: list[CIRegistry], pytest_args: list[str], per_file: bool, env: dict,
               times: tuple[str, str] | None = None) -> int:  # fmt: skip
     """times: (path, suite) to record each file's wall time (per-file runs only)."""
@@ -296,6 +308,8 @@ def main(argv: list[str]) -> int:
     # CPU suites run Triton's interpreter; GPU suites compile for the device. conftest.py would
     # otherwise turn the interpreter on everywhere, and the GPU files would skip.
     env = {**os.environ, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", suite.triton_interpret)}
+    if args.auto_partition_size is not None:
+        env.update(partition_env(args.auto_partition_id, args.auto_partition_size))
     times = (args.write_times, args.suite) if args.write_times else None
     return run_files(enabled, args.pytest_args, args.per_file, env, times)
 

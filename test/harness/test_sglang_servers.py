@@ -2,7 +2,8 @@
 
 A server binds its port a minute or more after the test picks it; meanwhile outgoing connections
 take ports from the kernel's ephemeral range. Ports are therefore picked below that range, free
-when picked, and never handed out twice by one process."""
+when picked, and never handed out twice by one process; the partitions of a run that run at once
+(scripts/run_suite.py) pick from disjoint slices."""
 
 import socket
 import sys
@@ -51,6 +52,35 @@ def _bindable(port):
         except OSError:
             return False
     return True
+
+
+def test_partitions_take_disjoint_slices_of_the_ports_and_of_mooncakes_range(monkeypatch):
+    """scripts/run_suite.py runs partition I of N with NSA_CP_TEST_PARTITION=I/N: the N partitions'
+    servers, started at once, pick from disjoint port ranges, Mooncake's included."""
+    top = S._ephemeral_low()
+    slices = {}
+    for part in range(3):
+        monkeypatch.setenv(S.PARTITION_ENV, f"{part}/3")
+        low, high = S.port_slice(10000, top)
+        assert all(low <= p < high for p in S.free_ports(5)), (part, low, high)
+        slices[part] = (low, high), S.port_slice(*S.MOONCAKE_PORTS)
+    for ranges in zip(*slices.values()):
+        ranges = sorted(ranges)
+        assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:])), ranges  # disjoint
+        assert ranges[0][1] > ranges[0][0] + 100, ranges  # each slice room for a cluster's ports
+    monkeypatch.delenv(S.PARTITION_ENV)
+    assert S.port_slice(10000, top) == (10000, top)
+    monkeypatch.setenv(S.PARTITION_ENV, "2/2")
+    with pytest.raises(ValueError, match="must be I/N with 0 <= I < N"):
+        S.free_ports(1)
+
+
+def test_the_servers_mooncake_range_is_this_partitions_slice():
+    """SERVER_ENV's MC_MIN/MAX_RPC_PORT (inclusive) lie in Mooncake's slice for this process's
+    partition, below free_ports' range (read at import, as a partitioned run sets it)."""
+    low, high = S.port_slice(*S.MOONCAKE_PORTS)
+    assert (int(S.SERVER_ENV["MC_MIN_RPC_PORT"]), int(S.SERVER_ENV["MC_MAX_RPC_PORT"])) == (low, high - 1)
+    assert high <= 10000
 
 
 if __name__ == "__main__":

@@ -256,6 +256,20 @@ def report(args, run: DemoRun) -> None:
         print(f"shared prefill's last KV transfer (/v1/loads): {transfer}")
 
 
+def exercise(cluster, run: DemoRun) -> DemoRun:
+    """The demo's requests and SGLang's reports on a running cluster of `cluster_options(args)`'s
+    servers: this run's or one already up (test_sglang_server_pd.py's, the CI case of the demo).
+    A request that fails ends the run with `error`."""
+    try:
+        run.rows = run_requests(cluster)
+        run.long = run_long_prompt(cluster)
+        stage("reading SGLang's capacity and memory reports")
+        run.shared, run.replicated = capacity(cluster.servers["shared"]), capacity(cluster.servers["replicated"])
+    except (RuntimeError, TimeoutError, requests.RequestException) as e:
+        run.error = f"{type(e).__name__}: {e}"
+    return run
+
+
 def run_demo(args, workdir: Path) -> DemoRun:
     """Start the servers, send the requests, read SGLang's reports, stop everything (also on an
     error or Ctrl-C; `leftovers` says what outlived the stop). A server that does not come up or a
@@ -268,10 +282,7 @@ def run_demo(args, workdir: Path) -> DemoRun:
         cluster.start(timeout_s=START_S_PER_RANK * 2 * args.cp + 300)
         run.startup_s = time.monotonic() - t
         stage(f"servers up in {run.startup_s:.0f} s")
-        run.rows = run_requests(cluster)
-        run.long = run_long_prompt(cluster)
-        stage("reading SGLang's capacity and memory reports")
-        run.shared, run.replicated = capacity(cluster.servers["shared"]), capacity(cluster.servers["replicated"])
+        exercise(cluster, run)
     except (RuntimeError, TimeoutError, requests.RequestException) as e:
         run.error = f"{type(e).__name__}: {e}"
     finally:

@@ -57,8 +57,7 @@ SERVER_ENV = {
     # the PD messages keyed (the flag refuses to start without a secret unless the network is declared
     # trusted): the keyed path runs through the real servers
     "SGLANG_NSA_CP_PD_SECRET": "cpu-servers-pd-secret-0123456789abcdef",
-    "MC_MIN_RPC_PORT": "9000",
-    "MC_MAX_RPC_PORT": "9499",
+    # MC_MIN_RPC_PORT / MC_MAX_RPC_PORT: this partition's slice of MOONCAKE_PORTS (below)
     "OMP_NUM_THREADS": "1",
     "SGLANG_CPU_OMP_THREADS_BIND": "0|1",
     "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
@@ -72,6 +71,33 @@ SERVER_ENV = {
     # a decode holds a failed room's pages until every prefill rank acknowledged; a dead one never does
     "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "5",
 }
+
+# A partitioned run of the suite (scripts/run_suite.py --auto-partition-id I --auto-partition-size N
+# sets NSA_CP_TEST_PARTITION=I/N) has N pytest processes starting servers at once: each takes the
+# I-th of N slices of Mooncake's range and of free_ports', so no two of them pick the same port.
+PARTITION_ENV = "NSA_CP_TEST_PARTITION"
+MOONCAKE_PORTS = (9000, 9500)  # [low, high): below free_ports' range
+
+
+def partition() -> tuple[int, int]:
+    """(I, N) from NSA_CP_TEST_PARTITION=I/N; (0, 1) when unset."""
+    value = os.environ.get(PARTITION_ENV, "0/1")
+    part, _, size = value.partition("/")
+    if not (part.isdigit() and size.isdigit() and int(part) < int(size)):
+        raise ValueError(f"{PARTITION_ENV}={value!r}: must be I/N with 0 <= I < N (scripts/run_suite.py sets it "
+                         "for --auto-partition-id I --auto-partition-size N); unset it for an unpartitioned run")  # fmt: skip
+    return int(part), int(size)
+
+
+def port_slice(low: int, high: int) -> tuple[int, int]:
+    """This partition's share [low', high') of the ports [low, high)."""
+    part, size = partition()
+    step = (high - low) // size
+    return low + part * step, low + (part + 1) * step
+
+
+_MC_LOW, _MC_HIGH = port_slice(*MOONCAKE_PORTS)
+SERVER_ENV.update(MC_MIN_RPC_PORT=str(_MC_LOW), MC_MAX_RPC_PORT=str(_MC_HIGH - 1))  # Mooncake's maximum: inclusive
 
 PLUGIN_DIST = "sglang_nsa_cp_cpu_stand_ins-0.0.0.dist-info"
 PLUGIN_ENTRY_POINT = "[sglang.srt.plugins]\ncpu_stand_ins = helpers.sglang_cpu_stand_ins:register\n"
@@ -162,10 +188,11 @@ def free_ports(n: int) -> list[int]:
     """n ports free on 127.0.0.1 now, none handed out before, all below the kernel's ephemeral
     range: a server binds its port a minute or more after this, and meanwhile every outgoing
     connection (Mooncake, ZMQ, gloo, HTTP) takes a port from that range, which once took one
-    picked there."""
-    top, rng, ports = _ephemeral_low(), random.Random(), []
+    picked there. In a partitioned run, from this partition's slice only (`port_slice`): another
+    process's pick is free until its server binds it."""
+    (low, top), rng, ports = port_slice(10000, _ephemeral_low()), random.Random(), []
     while len(ports) < n:
-        port = rng.randrange(10000, top)
+        port = rng.randrange(low, top)
         if port in _PORTS_GIVEN:
             continue
         with socket.socket() as s:

@@ -183,6 +183,17 @@ def test_arguments_after_double_dash_go_to_pytest():
     ]
 
 
+def test_partitions_run_at_once_get_their_own_ports_and_temporary_folders(tmp_path, monkeypatch):
+    """Partition I of N runs under NSA_CP_TEST_PARTITION=I/N (the live servers' port slice,
+    test/helpers/sglang_servers.py) and a TMPDIR of its own, so N of them can run at once."""
+    from helpers import sglang_servers as S
+
+    monkeypatch.setattr(RS.tempfile, "tempdir", str(tmp_path))
+    envs = [RS.partition_env(i, 2) for i in range(2)]
+    assert [e[S.PARTITION_ENV] for e in envs] == ["0/2", "1/2"] and RS.PARTITION_ENV == S.PARTITION_ENV
+    assert envs[0]["TMPDIR"] != envs[1]["TMPDIR"] and all(os.path.isdir(e["TMPDIR"]) for e in envs), envs
+
+
 def test_a_skip_fails_the_gpu_run(tmp_path):
     """scripts/gpu_run.sh sets NSA_CP_FAIL_ON_SKIP=1: a GPU test that skips (no CUDA, no bundle)
     fails the run instead of passing it; without the variable a skip stays a skip."""

@@ -5,18 +5,22 @@ of every path against the oracle, the prompt only shared KV can serve, SGLang's 
 - A few seconds: the tiny checkpoint loads at every CP size the demo takes (SGLang's CPU head
   padding leaves it alone), the others are refused with the reason, and the report's capacity
   sentence says what its rows show.
-- In CI: the default, `bash scripts/demo.sh` (CP=2, bf16: the README's first command).
-- By hand (NSA_CP_DEMO_ALL=1): `--cp 4 --kv-cache-dtype fp8_e4m3 --hicache` (four CP ranks per
+- In CI: the default, `bash scripts/demo.sh` (CP=2, bf16: the README's first command), runs the
+  demo's own requests and reports (`demo.exercise`) on test_sglang_server_pd.py's cluster, which
+  is started with the demo's options (`demo.cluster_options`), so CI starts one cluster fewer;
+  the same assertions (helpers/demo_checks.py). Here, by hand, it starts its own servers.
+- By hand (NSA_CP_DEMO_ALL=1): the default as `bash scripts/demo.sh` runs it, `--cp 4 --kv-cache-dtype fp8_e4m3 --hicache` (four CP ranks per
   prefill, fp8 KV, HiCache's host tier: ~20 SGLang processes, 5-10 min on 2 cores; fp8 and HiCache
   each have their own server test in CI) and `--cp 8` (the slowest: 2 x 8 CP ranks; timings in
   docs/sglang_cpu_server.md). `--cp` 3, 5, 6 and 7 cannot run on CPU (SGLang's CPU head
   padding against flashmla_sparse's 64-head rule): refused with the reason, checked here.
 
-Each server run: every prompt's greedy tokens through the shared-KV PD (router), the replicated PD
-and the non-CP oracle are equal; a prompt longer than one prefill rank's pool (both prefills hold
-the same KV rows per rank) is refused by the replicated prefill with SGLang's own message and served
-by the shared-KV PD with the oracle's tokens; SGLang reports N x the logical tokens for the shared
-prefill in the same pool rows per rank; every process and port is gone afterwards.
+Each server run (`assert_demo_run`): every prompt's greedy tokens through the shared-KV PD (router),
+the replicated PD and the non-CP oracle are equal; a prompt longer than one prefill rank's pool
+(both prefills hold the same KV rows per rank) is refused by the replicated prefill with SGLang's
+own message and served by the shared-KV PD with the oracle's tokens; SGLang reports N x the logical
+tokens for the shared prefill in the same pool rows per rank; every process and port is gone
+afterwards.
 """
 
 from __future__ import annotations
@@ -33,15 +37,16 @@ import pytest  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from helpers import demo  # noqa: E402
+from helpers.demo_checks import assert_demo_run  # noqa: E402
 from helpers import sglang_servers as S  # noqa: E402
 
-register_cpu_ci(est_time=300, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=30, suite="nsa-cp-test-cpu")
 
 BY_HAND = pytest.mark.skipif(
     os.environ.get("NSA_CP_DEMO_ALL") != "1", reason="by hand: NSA_CP_DEMO_ALL=1 (minutes of start-up on 2 cores)"
 )
 DEMO_COMMANDS = [
-    pytest.param([], id="default"),
+    pytest.param([], id="default", marks=BY_HAND),  # in CI: test_sglang_server_pd.py's cluster
     pytest.param(["--cp", "4", "--kv-cache-dtype", "fp8_e4m3", "--hicache"], id="cp4-fp8-hicache", marks=BY_HAND),
     pytest.param(["--cp", "8"], id="cp8", marks=BY_HAND),
 ]
@@ -104,25 +109,7 @@ def test_demo_serves_every_path_with_the_oracles_tokens(argv, tmp_path, capsys):
         print(f"\n{' '.join(argv) or 'default'}: servers up in {run.startup_s:.0f} s")
         if run.error is None:
             demo.report(args, run)
-    assert run.error is None, run.error
-    assert not run.leftovers, run.leftovers
-    for row in run.rows:
-        assert len(row["oracle"]) == demo.NEW_TOKENS, row
-        assert row["shared"] == row["oracle"] == row["replicated"], row
-    long = run.long
-    refused = demo.REFUSAL.search(long["refused"] or "")
-    assert refused, f"the replicated prefill took in {long['length']} tokens: {long}"
-    assert int(refused[1]) == demo.LONG_PROMPT and int(refused[2]) < demo.LONG_PROMPT, long["refused"]
-    assert long["shared"] == long["oracle"], long
-    assert len(long["oracle"]) == demo.NEW_TOKENS, long
-    shared, replicated = run.shared, run.replicated
-    assert shared["logical_tokens"] == args.cp * replicated["logical_tokens"], (shared, replicated)
-    for report in shared, replicated:
-        assert report["pool_rows"] == dict.fromkeys(range(args.cp), demo.PREFILL_RANK_TOKENS), report
-        want = "torch.float8_e4m3fn" if args.kv_cache_dtype == "fp8_e4m3" else "torch.bfloat16"
-        assert report["pool_dtypes"] == [want], report
-    assert sorted(shared["scratch_mib"]) == list(range(args.cp)) and not replicated["scratch_mib"], (shared, replicated)
-    assert run.ok
+    assert_demo_run(args, run)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""CPU, ~4-6 min (real servers, ~15 processes on 2 cores): `python -m sglang.launch_server` with
+"""CPU, ~6 min (real servers, ~15 processes on 2 cores, both busy: ~690 s of CPU): `python -m sglang.launch_server` with
 `--enable-nsa-prefill-cp-shared-kv` on a PD prefill, over HTTP, checked against oracle servers,
 three multi-chunk prompts at once through SGLang's Mooncake manager among them.
 
@@ -13,6 +13,11 @@ stand-ins from a test-only plugin, docs/sglang_cpu_server.md):
   reached the router's way by the client (bootstrap fields to prefill and decode at once).
 Greedy tokens through the router must equal the single server's and the replicated PD's. The tests
 run in order and share the servers; the last one kills a CP rank of the shared prefill.
+
+The servers are the demo's (`bash scripts/demo.sh`, test/helpers/demo.py: `demo.cluster_options`,
+each prefill rank's pool PREFILL_RANK_TOKENS rows), and the demo's own requests and reports run on
+them (`demo.exercise`) with test_demo.py's assertions: the demo's CI case, so CI starts one cluster
+for both.
 """
 
 from __future__ import annotations
@@ -32,10 +37,12 @@ import pytest  # noqa: E402
 import requests  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
+from helpers import demo  # noqa: E402
 from helpers import sglang_servers as S  # noqa: E402
+from helpers.demo_checks import assert_demo_run  # noqa: E402
 from helpers.listeners import is_wildcard, listening_sockets  # noqa: E402
 
-register_cpu_ci(est_time=330, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=345, suite="nsa-cp-test-cpu")
 
 NEW_TOKENS = 6
 
@@ -52,12 +59,17 @@ TRANSFER_FAILURE = (r"(?i)KVTransferError|Failed to send|Session \S+ failed|tran
                     r"Transfer thread failed|^E\d{4} |queue-full|rejection count|lane failure")  # fmt: skip
 
 
+DEMO_ARGS = demo.parse_args([])  # `bash scripts/demo.sh`'s defaults: CP=2, bf16, no HiCache
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         for key, value in ENV.items():
             patch.setitem(S.SERVER_ENV, key, value)
-        with S.Cluster(tmp_path_factory.mktemp("sglang_pd_cpu")).running() as cluster:
+        workdir = tmp_path_factory.mktemp("sglang_pd_cpu")
+        start_s = demo.START_S_PER_RANK * 2 * DEMO_ARGS.cp + 300  # the demo's start-up limit
+        with S.Cluster(workdir, **demo.cluster_options(DEMO_ARGS)).running(timeout_s=start_s) as cluster:
             yield cluster
 
 
@@ -118,7 +130,7 @@ def test_servers_start_with_the_plugin_and_report_n_times_the_capacity(cluster):
     plugin's scratch: one context of cached prefix plus one chunk."""
     print(f"servers ready in {cluster.startup_s:.0f} s")
     shared, replicated = cluster.servers["shared"].info(), cluster.servers["replicated"].info()
-    assert shared["max_total_num_tokens"] == replicated["max_total_num_tokens"] == S.MAX_TOTAL_TOKENS
+    assert shared["max_total_num_tokens"] == replicated["max_total_num_tokens"] == demo.PREFILL_RANK_TOKENS
     for rank, (sh, rep) in enumerate(zip(shared["internal_states"], replicated["internal_states"])):
         assert sh["memory_usage"]["token_capacity"] == rep["memory_usage"]["token_capacity"], rank  # per rank
         # the same KV bytes per rank (GB, SGLang's rounding): the shard holds 1/N of N x the pages
@@ -129,6 +141,18 @@ def test_servers_start_with_the_plugin_and_report_n_times_the_capacity(cluster):
         pools = S.scratch_logs(cluster.servers["shared"], rank)
         assert pools and S.one_context_scratch() in pools[0], pools
     assert not S.scratch_logs(cluster.servers["replicated"], 0)
+
+
+def test_the_demo_serves_every_path_with_the_oracles_tokens(cluster, capsys):
+    """The demo's CI case (test_demo.py runs it by hand on servers of its own): `bash scripts/demo.sh`'s
+    requests and SGLang's reports, on these servers while they are fresh, asserted as test_demo.py
+    asserts them; that nothing outlives the stop, the fixture asserts."""
+    run = demo.exercise(cluster, demo.DemoRun(startup_s=cluster.startup_s))
+    with capsys.disabled():
+        print(f"\ndemo (default) on this cluster, servers up in {run.startup_s:.0f} s")
+        if run.error is None:
+            demo.report(DEMO_ARGS, run)
+    assert_demo_run(DEMO_ARGS, run)
 
 
 SGLANG_MANAGER = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager"
@@ -282,7 +306,9 @@ def test_second_request_hits_the_prefill_radix_cache(cluster):
 def test_client_abort_mid_prefill_frees_everything(cluster):
     shared, decode = cluster.servers["shared"], cluster.servers["decode"]
     marks = {s.name: _log_mark(s) for s in (shared, decode)}
-    ids = S.prompt_ids(7 * S.CHUNK_TOKENS, seed=21)  # 7 chunks: seconds of prefill on CPU
+    # 6 chunks: seconds of prefill on CPU, within what the shared prefill admits from the demo's pools
+    # (SGLang's limit 832 of its 1024 logical tokens: 7 chunks, 896, are refused at once)
+    ids = S.prompt_ids(6 * S.CHUNK_TOKENS, seed=21)
     with pytest.raises(requests.exceptions.ReadTimeout):
         S.generate(cluster.router_url, ids, NEW_TOKENS, timeout_s=1.5)
     # SGLang aborts a request whose client went away (each server checks the connection every few
