@@ -201,16 +201,18 @@ EVIDENCE = (
      "measured, 1 x H200 (ranks share the GPU)"),
     ("E5", "real servers at GLM-5's attention shapes, CP 4, bf16", "sglang_server_check_glm5_shaped_bf16_1xh200.json",
      "measured, 1 x H200"),
+    ("E5b", "the same with every layer dense (no expert routing): every case = oracle but for 1-ulp ties, bf16 and "
+     "fp8", "sglang_server_check_glm5_shaped_dense_1xh200.json", "measured, 1 x H200"),
     ("E6", "real servers at GLM-5's attention shapes, CP 4, fp8", "sglang_server_check_glm5_shaped_fp8_1xh200.json",
      "measured, 1 x H200"),
     ("E7", "real servers, toy model, CP 2 and 4, bf16 and fp8", "sglang_server_check_1xh200_run7.json",
      "measured, 1 x H200"),
     ("E8", "the fused fp8 store against SGLang's pool write", "bench_kernels.json", "measured, 1 x H200"),
     ("E9", "the gather scratch SGLang reserves and the flag's", "bench_scratch_bytes.json", "SGLang's CPU pools"),
-    ("E5b", "the same with every layer dense (no expert routing): every case = oracle but for 1-ulp ties, bf16 and "
-     "fp8", "sglang_server_check_glm5_shaped_dense_1xh200.json", "measured, 1 x H200"),
     ("E10", "SGLang's layer split beside the flag in real servers: tokens = oracle, counted KV bytes = formula, "
      "toy model, bf16 CP 2 and fp8 CP 4", "sglang_server_check_layer_split_1xh200.json", "measured, 1 x H200"),
+    ("E11", "--dsa-prefill-backend flashmla_sparse_q8 with the flag: SGLang's JIT kernel built, shared = replicated "
+     "bit for bit, CP 2, bf16 and fp8, GLM-5's attention shapes", "q8_gpu_forward_1xh200.log", "measured, 1 x H200"),
 )  # fmt: skip
 
 
