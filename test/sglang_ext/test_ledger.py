@@ -386,6 +386,11 @@ def test_the_decode_hook_does_not_fall_back_to_request_order_on_a_renamed_name()
     queue.queue[0] = SimpleNamespace(req=req, receiver=SimpleNamespace(prefill_info=info))
     with pytest.raises(AttributeError, match="kv_receiver"):
         prefill_owner_cp_size(queue, req)
+    # SGLang's warm-up request on a decode has its fake receiver (no prefill, no bootstrap address)
+    from sglang.srt.disaggregation.fake.conn import FakeKVReceiver
+
+    queue.queue[0] = SimpleNamespace(req=req, kv_receiver=object.__new__(FakeKVReceiver))
+    assert prefill_owner_cp_size(queue, req) == 1
 
 
 def test_sglang_refusing_the_resolution_hooks_refuses_the_flag(plugin, model, sm90, monkeypatch):

@@ -33,7 +33,11 @@ def prefill_owner_cp_size(queue, req) -> int:
     decode_req = next((d for d in queue.queue if d.req is req), None)
     if decode_req is None:
         return 1
+    from sglang.srt.disaggregation.fake.conn import FakeKVReceiver
+
     receiver = decode_req.kv_receiver
+    if isinstance(receiver, FakeKVReceiver):  # SGLang's warm-up request: no prefill behind it
+        return 1
     info = vars(receiver).get("prefill_info")  # set by the receiver's `init()`
     if info is None:
         info = queue.kv_manager.prefill_info_table.get(receiver.bootstrap_addr)
