@@ -51,8 +51,11 @@ def test_no_module_outside_the_allow_list():
 
 
 def test_every_module_imports():
-    for name in _all_modules():
-        importlib.import_module(name)
+    names = _all_modules()
+    for part in ("comm", "disagg", "kernels", "sglang_ext.ledger", "sglang_ext.disaggregation.status_guard"):
+        assert f"sglang_nsa_cp.{part}" in names, f"the walk missed sglang_nsa_cp.{part}: {names}"
+    for name in names:
+        assert importlib.import_module(name).__name__ == name
 
 
 def test_the_package_and_the_ledger_import_nothing_heavy():
