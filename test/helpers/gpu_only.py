@@ -1,7 +1,16 @@
-"""The guard every GPU test file starts with: CUDA present and Triton compiling for it."""
+"""The guards GPU test files start with: CUDA present and Triton compiling for it; CUDA and the
+GPU bundle for the files that run SGLang's own code there."""
+
+import importlib.util
 
 import pytest
 import torch
+
+# pytestmark of the files that import SGLang's GPU path (sgl_kernel comes with the bundle)
+NEEDS_CUDA_AND_THE_BUNDLE = pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("sgl_kernel") is None,
+    reason="needs CUDA and the GPU bundle (docs/gpu_bundle.md)",
+)
 
 
 def skip_unless_compiled_triton_on_cuda() -> None:

@@ -23,7 +23,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "0")  # compiled for the GPU (conftest.py defaults to 1)
 
-import importlib.util  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 
@@ -32,13 +31,11 @@ import torch  # noqa: E402
 from sglang.test.ci.ci_register import register_cuda_ci  # noqa: E402
 
 from helpers.distributed import run_ranks  # noqa: E402
+from helpers.gpu_only import NEEDS_CUDA_AND_THE_BUNDLE  # noqa: E402
 
 register_cuda_ci(est_time=270, suite="nsa-cp-test-1-gpu-h200")
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or importlib.util.find_spec("sgl_kernel") is None,
-    reason="needs CUDA and the GPU bundle (docs/gpu_bundle.md)",
-)
+pytestmark = NEEDS_CUDA_AND_THE_BUNDLE
 
 
 RUNS = {  # name: (ranks, mode, kv_cache_dtype)
