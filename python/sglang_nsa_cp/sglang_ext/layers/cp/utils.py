@@ -30,15 +30,14 @@ logger = logging.getLogger(__name__)
 
 
 def why_every_token(x, forward_batch) -> str | None:
-    """Why this batch's tail must gather every token's hidden state (SGLang's own gather), or None
-    when each request's last row is all the logits processor reads."""
+    """In a shared-KV prefill: why this batch's tail must gather every token's hidden state
+    (SGLang's own gather), or None when each request's last row is all the logits processor reads."""
     from sglang.srt.layers.cp.base import is_interleave
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
     from sglang.srt.runtime_context import get_parallel
 
     fb = forward_batch
     checks = (  # in order, each read only once the ones before it hold
-        (is_enabled, "not a shared-KV prefill"),
         (lambda: isinstance(x, torch.Tensor), f"the model body returned {type(x).__name__}, not a tensor"),
         (is_interleave, "not the interleave CP strategy"),
         (lambda: get_parallel().attn_dp_size == 1, "DP attention"),
@@ -59,8 +58,8 @@ def why_every_token(x, forward_batch) -> str | None:
 def _holds_local_rows(x, forward_batch) -> bool:
     from sglang.srt.runtime_context import get_parallel
 
-    metadata = getattr(forward_batch, "attn_cp_metadata", None)
-    if metadata is None or not isinstance(x, torch.Tensor):
+    metadata = forward_batch.attn_cp_metadata  # None: SGLang's gather raises its own error
+    if metadata is None:
         return False
     lens = metadata.per_rank_logical_token or metadata.per_rank_actual_token
     return x.shape[0] >= lens[get_parallel().attn_cp_rank]
@@ -86,6 +85,8 @@ def tail_plan(forward_batch, cp_size: int):
 
 def cp_gather_after_forward(original, x, forward_batch, stream=None):
     """AROUND `cp_gather_after_forward`: only the last-token rows, when that is all the batch needs."""
+    if not is_enabled():  # without the flag SGLang's gather, and nothing logged
+        return original(x, forward_batch, stream)
     reason = why_every_token(x, forward_batch)
     if reason is not None:
         _report_once(reason)
