@@ -190,6 +190,34 @@ def scratch(raw: dict) -> str:
     return "\n".join(lines)
 
 
+def toy_server_check(raw: dict) -> str:
+    """Each configuration of the toy model's server check: start-up, every case against the oracle,
+    capacity, scratch and the long prompt (scripts/sglang_server_check.py's JSON)."""
+    lines = ["| KV, CP | servers up | cases through the three paths | the client that leaves | logical capacity, shared vs "
+             "replicated (pool rows per rank) | gather scratch per rank | long prompt: replicated | long prompt: shared |",
+             "| --- | ---: | --- | --- | --- | ---: | --- | --- |"]  # fmt: skip
+    for c in raw["configs"]:
+        cases = [r for r in c["requests"] if r["case"] != "abort"]
+        (abort,) = [r for r in c["requests"] if r["case"] == "abort"]
+        same = sum(r["equal"] for r in cases)
+        saw = [who for who, seen in abort["saw_client_leave"].items() if seen]
+        cap = c["capacity"]
+        rows = {cap[k]["pool_rows"][r] for k in ("shared", "replicated") for r in cap[k]["pool_rows"]}
+        scratch = {round(v, 2) for v in cap["shared"]["scratch_mib"].values()}
+        lp = c["long_prompt"]
+        refused = lp["replicated"].split(":")[0] if lp["replicated_refused"] else "served"
+        lines.append(
+            f"| {c['kv_cache_dtype']}, {c['cp']} | {c['startup_s']:.1f} s | {same} of {len(cases)} = oracle "
+            f"({', '.join(r['case'] for r in cases)}) | seen by {' and '.join(saw) or 'nobody'}; "
+            f"{'its check passed' if abort['equal'] else 'its check FAILED'} | "
+            f"{cap['shared']['logical_tokens']:,} vs {cap['replicated']['logical_tokens']:,} tokens: "
+            f"{cap['shared']['logical_tokens'] / cap['replicated']['logical_tokens']:.2f} x "
+            f"({', '.join(f'{n:,}' for n in sorted(rows))}) | {', '.join(f'{v:.2f}' for v in sorted(scratch))} MiB | "
+            f"{lp['tokens']:,} tokens: {refused} | {'= oracle' if lp['shared'] == lp['oracle'] else 'differs from the oracle'} |"
+        )
+    return "\n".join(lines)
+
+
 # The README's claims and the results file each rests on: (row, claim, file, measured or projected).
 EVIDENCE = (
     ("E1", "GLM-5 layer compute terms at real shapes", "bench_glm5_layer_1xh200.json", "measured, 1 x H200"),
@@ -205,7 +233,7 @@ EVIDENCE = (
      "fp8", "sglang_server_check_glm5_shaped_dense_1xh200.json", "measured, 1 x H200"),
     ("E6", "real servers at GLM-5's attention shapes, CP 4, fp8", "sglang_server_check_glm5_shaped_fp8_1xh200.json",
      "measured, 1 x H200"),
-    ("E7", "real servers, toy model, CP 2 and 4, bf16 and fp8", "sglang_server_check_1xh200_run7.json",
+    ("E7", "real servers, toy model, CP 2 and 4, bf16 and fp8", "sglang_server_check_1xh200.json",
      "measured, 1 x H200"),
     ("E8", "the fused fp8 store against SGLang's pool write", "bench_kernels.json", "measured, 1 x H200"),
     ("E9", "the gather scratch SGLang reserves and the flag's", "bench_scratch_bytes.json", "SGLang's CPU pools"),
@@ -274,7 +302,12 @@ BLOCKS: dict[str, tuple[str | None, Callable[..., str], str | None]] = {
     "trace_replay_arms": ("bench_trace_replay.json", trace_replay_arms, "python benchmark/bench_trace_replay.py"),
     "evidence": (None, evidence, None),  # many files: each row names its own
     "scratch": ("bench_scratch_bytes.json", scratch, "python benchmark/bench_scratch_bytes.py"),
-    "cpu_test_times": (None, cpu_test_times, None),  # one row per timed file, each with its commit
+    "cpu_test_times": (None, cpu_test_times, None),
+    "toy_server_check": (
+        "sglang_server_check_1xh200.json",
+        toy_server_check,
+        "bash scripts/gpu_run.sh server",
+    ),  # one row per timed file, each with its commit
     "alternatives": (
         "bench_trace_replay.json",
         alternatives,
