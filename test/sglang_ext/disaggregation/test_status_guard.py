@@ -98,7 +98,7 @@ def hostile_messages(room, aux_index, kv_args, pages=4, use=NOW) -> list[Case]:
         Case("aux index int() takes: '0_3'", aux_message(room, 0, b"0_3", data), "is not a decimal number"),
         Case("aux index int() takes: ' 3'", aux_message(room, 0, b" 3", data), "is not a decimal number"),
         Case("aux index in Arabic-Indic digits", aux_message(room, 0, "٣".encode(), data), "is not a decimal number"),
-        Case("aux index of 25 digits", aux_message(room, 0, b"9" * 25, data), "aux index of 25 digits"),
+        Case("aux index of 25 digits", aux_message(room, 0, b"9" * 25, data), "aux index of 25 bytes"),
         Case("aux buffer index past the buffers", aux_message(room, buffers, idx, data), f"aux buffer index {buffers} is out of range"),  # fmt: skip
         Case("AUX_DATA room not a number", [b"AUX_DATA", b"seven", *good_aux[2:]], "room b'seven' is not a decimal number"),
         Case("AUX_DATA of 1 frame", [b"AUX_DATA"], "AUX_DATA of 1 frames (6 expected)"),
@@ -139,7 +139,7 @@ def hostile_messages(room, aux_index, kv_args, pages=4, use=NOW) -> list[Case]:
         Case("status not a KVPoll value", status_message(room, 9, 0), "status 9 is not a KVPoll value"),
         Case("status past a byte", status_message(room, 300, 0), "status 300 is out of range (0..255)"),
         Case("room past 63 bits", [b"9" * 19, b"4", b"0"], "room 9999999999999999999 is out of range"),
-        Case("room of 5000 digits", [b"9" * 5000, b"4", b"0"], "room of 5000 digits"),
+        Case("room of 5000 digits", [b"9" * 5000, b"4", b"0"], "room of 5000 bytes"),
         Case("prefill rank 2^20", status_message(room, 4, 1 << 20), "prefill rank 1048576 is out of range (0..65535)"),
         Case("status for a room not waiting", status_message(other, 0, 0, b"forged"), f"a Failed status for room {other}, which is not waiting on this decode"),  # fmt: skip
         Case("oversized reason", status_message(room, 0, 0, b"x" * (20 << 10)), "a failure reason of 20480 bytes"),
@@ -555,7 +555,49 @@ def test_the_guard_cuts_a_frame_before_it_reprs_it():
     for msg in messages:
         assert guard_recv(mgr, lambda msg=msg: msg, drops)() is None
     assert drops.count == len(messages) and _ReprSpy.reprs == [], _ReprSpy.reprs
-    assert "room b'\\xff\\xff" in drops.recent[0][1] and len(drops.recent[0][1]) < 100, drops.recent[0]
+    assert "room b'\\xff\\xff" in drops.recent[0][0] and len(" ".join(drops.recent[0])) < 150, drops.recent[0]
+    assert "rank b'\\xff\\xff" in drops.recent[1][0] and len(" ".join(drops.recent[1])) < 150, drops.recent[1]
+
+
+class _ScanSpy(bytes):
+    """A frame that records each digit scan and hash of it (each costs O(size))."""
+
+    scans: list = []
+
+    def isdigit(self):
+        _ScanSpy.scans.append(("isdigit", len(self)))
+        return super().isdigit()
+
+    def __hash__(self):
+        _ScanSpy.scans.append(("hash", len(self)))
+        return super().__hash__()
+
+
+def test_a_long_frame_is_measured_before_it_is_scanned():
+    """Issue 47: a 1 MiB all-digit room frame cost the decode's guard ~0.9 ms (its digit check ran
+    before its length check; the kind lookup hashed the frame, ~0.4 ms more) and the prefill's
+    nonce note ~1.5 ms. Now no frame longer than a room number or a kind tag is scanned or hashed,
+    on the decode (SGLang's decode thread behind the guard) or on the prefill's bootstrap socket."""
+    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake import conn
+    from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import DropLog, guard_recv
+
+    digits = _ScanSpy(b"7" * (1 << 20))
+    mgr, drops = decode_manager(), DropLog()
+    messages = [
+        [digits, b"4", b"0"],
+        [b"7", digits, b"0"],
+        aux_message(ROOM, 0, digits, b"x"),
+        [b"ABORT_ACK", digits, b"1"],
+    ]
+    for msg in messages:
+        assert guard_recv(mgr, lambda msg=msg: msg, drops)() is None
+    assert drops.count == len(messages) and _ScanSpy.scans == [], _ScanSpy.scans
+    assert "room of 1048576 bytes (at most 20 digits)" in drops.recent[0][1], drops.recent[0]
+    prefill = object.__new__(conn.OwnedPageKVManager)
+    prefill.destination_nonces = conn.NoncesByRoom()
+    prefill._note_use_nonce([digits, *metadata_message(ROOM, "decode:1", NOW)[1:]])
+    assert len(prefill.destination_nonces) == 0
+    assert _ScanSpy.scans == [], _ScanSpy.scans
 
 
 def test_each_success_is_parsed_once_and_its_manifest_decoded_once(monkeypatch):

@@ -41,6 +41,7 @@ from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import (
     verify_manifests,
 )
 from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import (
+    MAX_DIGITS,
     CheckedStatus,
     DropLog,
     Unchecked,
@@ -210,7 +211,7 @@ class OwnedPageKVManager(MooncakeKVManager):
         most the destinations its first metadata declared, and `NoncesByRoom` bounds rooms and
         sessions in all: SGLang's metadata channel is unauthenticated, so these bound what anyone
         who reaches it can make the prefill keep and put into the room's manifests."""
-        if len(msg) < 10 or not msg[0].isdigit():
+        if len(msg) < 10 or len(msg[0]) > MAX_DIGITS or not msg[0].isdigit():  # length first: a 1 MiB scan
             return  # not a room's metadata (registration, staging, abort): SGLang's
         try:
             room, session, declared = int(msg[0].decode("ascii")), msg[3].decode("ascii"), int(msg[7])
