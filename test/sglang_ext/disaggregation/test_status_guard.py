@@ -513,6 +513,28 @@ def test_a_timeout_names_what_the_guard_dropped_for_the_room():
     assert ROOM not in mgr.dropped_messages.last_by_room and ROOM not in mgr.room_nonces
 
 
+def test_a_keyed_room_fed_no_manifests_names_the_secret_when_it_times_out():
+    """Issue 47: a keyed decode fed by an owner-sharded prefill that sends no manifests (SGLang's
+    own sharded prefill, or the plugin's without the flag) timed out saying only 'a Success without
+    an owned-page manifest'. The timeout's reason now names the variable and what the prefill needs."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = idle_manager(secret=SECRET)
+    receiver = make_receiver(mgr)
+    receiver.abort_notified = True  # no prefill to notify
+    decode = DecodeThread(mgr)
+    try:
+        decode.push([status_message(ROOM, KVPoll.Success, rank, b"") for rank in (0, 1)])
+        wait_for(lambda: mgr.dropped_messages.count == 2, "both manifest-less Successes dropped")
+    finally:
+        decode.close()
+    mgr.waiting_timeout = 0
+    assert receiver._check_waiting_timeout() == KVPoll.Failed
+    reason = mgr.failure_records[ROOM]
+    assert "a Success without an owned-page manifest" in reason and "SGLANG_NSA_CP_PD_SECRET" in reason, reason
+    receiver.clear()
+
+
 def test_statuses_sglang_would_only_log_are_dropped(caplog):
     """Finding 6: without the secret each Bootstrapping, Transferring or WaitingForInput status
     (while the decode does not defer allocation) reached SGLang, which logged a warning for each:

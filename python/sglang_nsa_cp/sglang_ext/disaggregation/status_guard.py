@@ -288,6 +288,13 @@ def keyed_room(mgr, room: int) -> bool:
     return expected is None or expected.owner_sharded
 
 
+# What a keyed room's drop of an unkeyed peer says (it ends in the room's timeout reason).
+_KEYED_PEERS = (
+    f" (with {auth.SGLANG_NSA_CP_PD_SECRET.name} set here, every owner-sharded prefill must run the plugin "
+    "with shared KV and the same secret)"
+)
+
+
 def _authenticate(mgr, room, status, rank, reason, manifest, signature) -> None:
     """With the secret: a Success by its manifest (decoded and its MAC checked by
     `_decoded_manifest`), anything else by its status signature, each bound to this use of the
@@ -297,10 +304,7 @@ def _authenticate(mgr, room, status, rank, reason, manifest, signature) -> None:
         raise _Drop(f"a {STATUS_NAMES[status]} status for room {room}, of which this decode knows no use")
     if status != SUCCESS:
         if signature is None:
-            raise _Drop(
-                f"an unsigned {STATUS_NAMES[status]} status (with SGLANG_NSA_CP_PD_SECRET set here, every "
-                "owner-sharded prefill must run the plugin with shared KV and the same secret)"
-            )
+            raise _Drop(f"an unsigned {STATUS_NAMES[status]} status{_KEYED_PEERS}")
         problem = status_signature_problem(signature, mgr.pd_secret, room, rank, status, reason, use)
         if problem is not None:
             raise _Drop(problem)
@@ -308,7 +312,7 @@ def _authenticate(mgr, room, status, rank, reason, manifest, signature) -> None:
     if mgr.room_expectations.get(room) is None:
         raise _Drop(f"a Success for room {room}, whose pages this decode did not ask for")
     if manifest is None:
-        raise _Drop("a Success without an owned-page manifest")
+        raise _Drop(f"a Success without an owned-page manifest{_KEYED_PEERS}")
 
 
 _CHECKS = {AUX_DATA: _aux_data, CHUNK_READY: _chunk_ready, STAGING_REQ: _staging_req, ABORT_ACK: _abort_ack}
