@@ -535,6 +535,44 @@ def test_a_keyed_room_fed_no_manifests_names_the_secret_when_it_times_out():
     receiver.clear()
 
 
+def test_a_status_answering_no_use_is_reported_as_a_missing_nonce_not_a_replay():
+    """Issue 47: when a prefill rank held no nonce of the decode for a room (evicted past its bound,
+    or its metadata never reached that rank), its Success carried a manifest of no use and its
+    signed Failed (which names the bound) a signature of no use: the decode dropped both as "a
+    replay", and the room timed out saying so. Both are now reported as the missing nonce, the
+    Failed with the prefill's (keyed) reason, in the drop log and the room's timeout reason; a
+    status of no use still does not count (an earlier one of the room would match it too)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import encode_manifest
+    from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import sign_status
+
+    mgr = idle_manager(secret=SECRET)
+    receiver = make_receiver(mgr)
+    receiver.abort_notified = True  # no prefill to notify
+    said = b"owned-page transfer of room 7: no use nonce held for decode 127.0.0.1:17001"
+    failed = status_message(ROOM, KVPoll.Failed, 1, said)
+    messages = [
+        status_message(ROOM, KVPoll.Success, 0, b"", encode_manifest(rank_claims(0), ROOM, 0, SECRET, uses=[])),
+        failed + [sign_status(SECRET, ROOM, 1, KVPoll.Failed, said, [])],
+    ]
+    decode = DecodeThread(mgr)
+    try:
+        decode.push(messages)
+        wait_for(lambda: mgr.dropped_messages.count == 2, "both statuses of no use dropped")
+    finally:
+        decode.close()
+    reasons = [reason for _, reason in mgr.dropped_messages.recent]
+    assert not any("replay" in r for r in reasons), reasons
+    assert "a manifest of room 7 that answers no use of the room: the prefill rank held no use nonce" in reasons[0]
+    assert "a Failed status of room 7 signed for no use of the room" in reasons[1] and said.decode() in reasons[1]
+    assert mgr.request_status[ROOM] not in (KVPoll.Success, KVPoll.Failed)  # neither counted
+    mgr.waiting_timeout = 0
+    assert receiver._check_waiting_timeout() == KVPoll.Failed
+    assert "no use nonce held for decode 127.0.0.1:17001" in mgr.failure_records[ROOM], mgr.failure_records[ROOM]
+    receiver.clear()
+
+
 def test_statuses_sglang_would_only_log_are_dropped(caplog):
     """Finding 6: without the secret each Bootstrapping, Transferring or WaitingForInput status
     (while the decode does not defer allocation) reached SGLang, which logged a warning for each:

@@ -41,8 +41,10 @@ from sglang_nsa_cp.disagg.manifest import cut
 from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import (
     MANIFEST_TAG,
     MAX_USES,
+    NO_USE_HELD,
     USE_NONCE_BYTES,
     ManifestOfAnotherUse,
+    ManifestWithoutUse,
     UnauthenticatedManifest,
     decode_manifest,
     pool_pages,
@@ -268,6 +270,8 @@ def _decoded_manifest(mgr, room, rank, frame, expected, keyed):
             use=mgr.room_nonces.get(room),
             max_uses=expected.uses,
         )
+    except ManifestWithoutUse as e:  # not a replay: the prefill had no nonce to put in it
+        raise _Drop(str(e)) from None
     except ManifestOfAnotherUse as e:
         raise _Drop(f"a replay: {e}") from None
     except UnauthenticatedManifest as e:
@@ -504,6 +508,9 @@ def status_signature_problem(frame, secret, room, prefill_rank, status, reason, 
     label, body = _status_mac_input(room, prefill_rank, status, reason, uses)
     if (problem := auth.verify(secret, label, body, mac)) is not None:
         return f"status signature: {problem}"
+    if use is not None and not uses:  # signed, but for no use: dropped (an earlier such status would match too)
+        said = cut(reason.decode("utf-8", errors="replace"), 200)  # keyed: the prefill's own words
+        return f"a {STATUS_NAMES[status]} status of room {room} signed for no use of the room: {NO_USE_HELD}; its reason: {said}"  # fmt: skip
     if use is not None and use not in {uses[i : i + USE_NONCE_BYTES] for i in range(0, len(uses), USE_NONCE_BYTES)}:
         return f"a replay: a {STATUS_NAMES[status]} status of room {room} that answers another use of the room"
     return None
