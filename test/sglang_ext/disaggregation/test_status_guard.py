@@ -93,14 +93,14 @@ def hostile_messages(room, aux_index, kv_args, pages=4, use=NOW) -> list[Case]:
         # AUX_DATA: SGLang writes data at aux_data_ptrs[buffer] + item_len * index, unchecked
         Case("aux index one past the buffer", aux_message(room, 0, b"%d" % slots, data), f"aux index {slots} is out of range (0..{slots - 1})"),  # fmt: skip
         Case("aux index far past the buffer", aux_message(room, 0, b"1000000000", data), "aux index 1000000000 is out of range"),
-        Case("negative aux index", aux_message(room, 0, b"-1", data), "aux index b'-1' is not a decimal number"),
+        Case("negative aux index", aux_message(room, 0, b"-1", data), "aux index <2 B 2d31> is not a decimal number"),
         Case("aux index not a number", aux_message(room, 0, b"three", data), "is not a decimal number"),
         Case("aux index int() takes: '0_3'", aux_message(room, 0, b"0_3", data), "is not a decimal number"),
         Case("aux index int() takes: ' 3'", aux_message(room, 0, b" 3", data), "is not a decimal number"),
         Case("aux index in Arabic-Indic digits", aux_message(room, 0, "٣".encode(), data), "is not a decimal number"),
         Case("aux index of 25 digits", aux_message(room, 0, b"9" * 25, data), "aux index of 25 bytes"),
         Case("aux buffer index past the buffers", aux_message(room, buffers, idx, data), f"aux buffer index {buffers} is out of range"),  # fmt: skip
-        Case("AUX_DATA room not a number", [b"AUX_DATA", b"seven", *good_aux[2:]], "room b'seven' is not a decimal number"),
+        Case("AUX_DATA room not a number", [b"AUX_DATA", b"seven", *good_aux[2:]], "room <5 B 736576656e> is not a decimal number"),
         Case("AUX_DATA of 1 frame", [b"AUX_DATA"], "AUX_DATA of 1 frames (6 expected)"),
         Case("AUX_DATA of 5 frames", good_aux[:5], "AUX_DATA of 5 frames (6 expected)"),
         Case("AUX_DATA of 7 frames", good_aux + [b""], "AUX_DATA of 7 frames (6 expected)"),
@@ -115,7 +115,7 @@ def hostile_messages(room, aux_index, kv_args, pages=4, use=NOW) -> list[Case]:
         Case("STAGING_REQ without staging", staging, "STAGING_REQ on a decode without staging"),
         Case("STAGING_REQ of 1 frame without staging", [b"STAGING_REQ"], "STAGING_REQ on a decode without staging"),
         Case("CHUNK_READY pages past the room", chunk[:3] + [b"3", b"2"] + chunk[5:], f"pages 3..4 of room {room}, which has {pages}", "staging"),  # fmt: skip
-        Case("CHUNK_READY chunk not a number", chunk[:2] + [b"x"] + chunk[3:], "chunk index b'x' is not a decimal number", "staging"),  # fmt: skip
+        Case("CHUNK_READY chunk not a number", chunk[:2] + [b"x"] + chunk[3:], "chunk index <1 B 78> is not a decimal number", "staging"),  # fmt: skip
         Case("CHUNK_READY of 6 frames", chunk[:6], "CHUNK_READY of 6 frames (7 expected)", "staging"),
         Case("CHUNK_READY writer id not ASCII", chunk[:5] + [b"\xff" * 8, b"0"], "writer id", "staging"),
         Case("CHUNK_READY for a room not waiting", [chunk[0], b"%d" % other, *chunk[2:]], "which is not waiting on this decode", "staging"),  # fmt: skip
@@ -125,8 +125,8 @@ def hostile_messages(room, aux_index, kv_args, pages=4, use=NOW) -> list[Case]:
         # ABORT_ACK
         Case("ABORT_ACK of 1 frame", [b"ABORT_ACK"], "ABORT_ACK of 1 frames (3 to 4 expected)"),
         Case("ABORT_ACK of 5 frames", [b"ABORT_ACK", b"%d" % room, b"0", b"1", b"1"], "ABORT_ACK of 5 frames"),
-        Case("ABORT_ACK room not a number", [b"ABORT_ACK", b"\x00", b"0", b"1"], "room b'\\x00' is not a decimal number"),
-        Case("ABORT_ACK negative generation", [b"ABORT_ACK", b"%d" % room, b"0", b"-5"], "generation b'-5' is not a decimal number"),  # fmt: skip
+        Case("ABORT_ACK room not a number", [b"ABORT_ACK", b"\x00", b"0", b"1"], "room <1 B 00> is not a decimal number"),
+        Case("ABORT_ACK negative generation", [b"ABORT_ACK", b"%d" % room, b"0", b"-5"], "generation <2 B 2d35> is not a decimal number"),  # fmt: skip
         Case("ABORT_ACK without a generation", [b"ABORT_ACK", b"%d" % room, b"0"], f"ABORT_ACK of generation None for room {room}"),  # fmt: skip
         Case("ABORT_ACK of another generation", [b"ABORT_ACK", b"%d" % room, b"0", b"%d" % (ABORT_GENERATION + 1)], "which this decode does not hold for that abort"),  # fmt: skip
         Case("ABORT_ACK for a room not held", [b"ABORT_ACK", b"%d" % other, b"0", b"%d" % ABORT_GENERATION], f"for room {other}, which this decode does not hold"),  # fmt: skip
@@ -134,8 +134,8 @@ def hostile_messages(room, aux_index, kv_args, pages=4, use=NOW) -> list[Case]:
         Case("status of 1 frame", [b"%d" % room], "a status of 1 frames (3 to 6 expected)"),
         Case("status of 2 frames", [b"%d" % room, b"4"], "a status of 2 frames (3 to 6 expected)"),
         Case("status of 7 frames", failed + [b""] * 3, "a status of 7 frames"),
-        Case("room not ASCII", [b"\xff\xfe", b"4", b"0"], "room b'\\xff\\xfe' is not a decimal number"),  # fmt: skip
-        Case("status not a number", [b"%d" % room, b"Success", b"0"], "status b'Success' is not a decimal number"),
+        Case("room not ASCII", [b"\xff\xfe", b"4", b"0"], "room <2 B fffe> is not a decimal number"),  # fmt: skip
+        Case("status not a number", [b"%d" % room, b"Success", b"0"], "status <7 B 53756363657373> is not a decimal number"),
         Case("status not a KVPoll value", status_message(room, 9, 0), "status 9 is not a KVPoll value"),
         Case("status past a byte", status_message(room, 300, 0), "status 300 is out of range (0..255)"),
         Case("room past 63 bits", [b"9" * 19, b"4", b"0"], "room 9999999999999999999 is out of range"),
@@ -327,7 +327,9 @@ def test_drops_are_logged_at_most_once_per_10_s_with_the_claimed_origin(caplog):
     )
     assert drops.count == 6 and len(caplog.records) == 2, [r.getMessage() for r in caplog.records]
     assert claimed_origin(aux_message(5, 0, b"1", b"x")) == "AUX_DATA claiming room 5"
-    assert claimed_origin([b"ABORT_ACK", b"\xff" * 100, b"2"]).startswith("ABORT_ACK claiming room b'")
+    assert claimed_origin([b"ABORT_ACK", b"\xff" * 100, b"2"]).startswith(
+        "ABORT_ACK claiming room <100 B ffffffffffffffff...>"
+    )
 
 
 # ---- SGLang's real decode thread on a real socket ------------------------------------------------------
@@ -573,6 +575,32 @@ def test_a_status_answering_no_use_is_reported_as_a_missing_nonce_not_a_replay()
     receiver.clear()
 
 
+def test_a_peers_text_never_reaches_a_timed_out_rooms_reason():
+    """Issue 47: a dropped message's frames were shown by their repr, and the room's last drop goes
+    into the reason a timed-out room returns to its client: an unauthenticated peer could write 40
+    characters of its choosing there. The guard now names a frame only by its size and first 8
+    bytes in hex, and the reason's drop part is bounded."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = idle_manager(secret=SECRET)
+    receiver = make_receiver(mgr)
+    receiver.abort_notified = True  # no prefill to notify
+    text = b"CALL-555-0100-FOR-SUPPORT"
+    decode = DecodeThread(mgr)
+    try:
+        decode.push([status_message(ROOM, KVPoll.Failed, 1, b"", text), [b"%d" % ROOM, b"%d" % KVPoll.Failed, text]])
+        wait_for(lambda: mgr.dropped_messages.count == 2, "both dropped")
+    finally:
+        decode.close()
+    mgr.waiting_timeout = 0
+    assert receiver._check_waiting_timeout() == KVPoll.Failed
+    reason = mgr.failure_records[ROOM]
+    assert "CALL" not in reason and "SUPPORT" not in reason, reason
+    assert f"from prefill rank <{len(text)} B {text[:8].hex()}...>: prefill rank of 25 bytes" in reason, reason
+    assert all("CALL" not in origin + why for origin, why in mgr.dropped_messages.recent)  # nor in the log
+    receiver.clear()
+
+
 def test_statuses_sglang_would_only_log_are_dropped(caplog):
     """Finding 6: without the secret each Bootstrapping, Transferring or WaitingForInput status
     (while the decode does not defer allocation) reached SGLang, which logged a warning for each:
@@ -615,8 +643,12 @@ def test_the_guard_cuts_a_frame_before_it_reprs_it():
     for msg in messages:
         assert guard_recv(mgr, lambda msg=msg: msg, drops)() is None
     assert drops.count == len(messages) and _ReprSpy.reprs == [], _ReprSpy.reprs
-    assert "room b'\\xff\\xff" in drops.recent[0][0] and len(" ".join(drops.recent[0])) < 150, drops.recent[0]
-    assert "rank b'\\xff\\xff" in drops.recent[1][0] and len(" ".join(drops.recent[1])) < 150, drops.recent[1]
+    assert "room <1048576 B ffffffffffffffff...>" in drops.recent[0][0] and len(" ".join(drops.recent[0])) < 150, (
+        drops.recent[0]
+    )
+    assert "rank <1048576 B ffffffffffffffff...>" in drops.recent[1][0] and len(" ".join(drops.recent[1])) < 150, (
+        drops.recent[1]
+    )
 
 
 class _ScanSpy(bytes):

@@ -28,6 +28,7 @@ from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, MooncakeK
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_nsa_cp.disagg import auth
+from sglang_nsa_cp.disagg.manifest import cut
 from sglang_nsa_cp.sglang_ext.disaggregation.common.conn import limited_status_frames
 from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import (
     MAX_USES,
@@ -537,8 +538,8 @@ class OwnedPageKVReceiver(MooncakeKVReceiver):
                 reason = mgr.failure_records.get(room, "timed out")
                 if len(expected) > 1 and silent:
                     reason += f"; no accepted transfer status from prefill rank(s) {silent} (success from {sorted(done)} of {expected})"  # fmt: skip
-                if dropped is not None:
-                    reason += f"; the last message dropped for this room: {dropped}"
+                if dropped is not None:  # the guard's words: a frame only by its size and hex (`_show`)
+                    reason += f"; the last message dropped for this room: {cut(dropped, 400)}"
                 mgr.failure_records[room] = reason
             mgr.room_manifests.pop(room, None)
         return result
