@@ -50,6 +50,7 @@ from helpers.status_guard_decode import (  # noqa: E402
     ITEM_LENS,
     NOW,
     ROOM,
+    PrefillThread,
     SECRET,
     SLOTS,
     AuxBuffers,
@@ -59,6 +60,7 @@ from helpers.status_guard_decode import (  # noqa: E402
     idle_manager,
     make_receiver,
     metadata_message,
+    prefill_manager,
     rank_claims,
     status_message,
     success_message,
@@ -802,6 +804,49 @@ def test_the_status_socket_queues_few_messages_per_connection():
     for sock in (push, pull, sglangs):
         sock.close(linger=0)
     ctx.term()
+
+
+BOOTSTRAP_KILLERS = {  # each ends SGLang 0.5.23's own prefill bootstrap thread
+    "non-ASCII frame 0": [b"\xff7", b"127.0.0.1", b"17001", b"s"],
+    "non-ASCII session": [b"8", b"127.0.0.1", b"17001", b"\xe9"],
+    "too few frames": [b"8", b"127.0.0.1"],
+    "room not a number": [b"eight", *[b"1"] * 9],
+    "metadata without a destination count": [b"8", b"127.0.0.1", b"17001", b"s", b"", b""],
+    "registration of 5 frames": [b"None", b"127.0.0.1", b"17001", b"s", b"\x00" * 3],
+    "WATERMARK without staging": [b"WATERMARK", b"1", b"2"],
+}
+
+
+@pytest.mark.parametrize("stock", [False, True], ids=["plugin", "sglang"])
+def test_the_prefill_bootstrap_thread_survives_malformed_messages_and_serves_the_room(stock):
+    """Issue 47: one non-ASCII (or otherwise malformed) message on a prefill's bootstrap socket ends
+    SGLang's bootstrap thread (SGLang's bug: every later room then waits until it times out). The
+    plugin's prefill screens that socket as the decode's: each message SGLang's parser would raise
+    on is dropped with the rate-limited log line, and the genuine room's metadata, sent after them,
+    is still served (the room's decode noted, WaitingForInput, the nonce held). The control, SGLang's
+    own manager, loses its thread to the first message."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = prefill_manager(stock=stock)
+    prefill = PrefillThread(mgr)
+    try:
+        prefill.push(BOOTSTRAP_KILLERS.values())
+        prefill.push([metadata_message(ROOM, "decode:1", NOW)])
+        if stock:
+            prefill.thread.join(timeout=10)
+            assert not prefill.thread.is_alive() and ROOM not in mgr.transfer_infos
+            return
+        wait_for(lambda: mgr.request_status[ROOM] == KVPoll.WaitingForInput, "the genuine room served")
+        assert prefill.thread.is_alive()
+        assert list(mgr.transfer_infos[ROOM]) == ["decode:1"] and dict(mgr.destination_nonces[ROOM]) == {
+            "decode:1": NOW
+        }
+        assert mgr.dropped_messages.count == len(BOOTSTRAP_KILLERS) and 8 not in mgr.transfer_infos
+        reasons = [why for _, why in mgr.dropped_messages.recent]
+        assert "frame 0 <2 B ff37> is not short ASCII text" in reasons[0], reasons
+        assert all("SGLang's parser raises" in r for r in reasons[1:-1]) and "without staging" in reasons[-1], reasons
+    finally:
+        prefill.close()
 
 
 def test_what_the_metadata_channel_can_make_a_prefill_keep_is_bounded():

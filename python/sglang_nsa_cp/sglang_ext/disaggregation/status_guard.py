@@ -418,7 +418,8 @@ class DropLog:
 
     MAX_FAULT_ROOMS = 1024  # rooms whose fault was logged; past it, at most one line per interval_s
 
-    def __init__(self, interval_s: float = 10.0, clock=time.monotonic):
+    def __init__(self, interval_s: float = 10.0, clock=time.monotonic, where: str = "the decode's status socket"):
+        self.where = where
         self.count = 0
         self.recent = deque(maxlen=64)
         self.last_by_room = {}  # room waiting on the decode -> "origin: reason"; its receiver forgets it
@@ -439,8 +440,9 @@ class DropLog:
         if self._last_line is None or now - self._last_line >= self.interval_s:
             self._last_line = now
             logger.warning(
-                "dropped a message on the decode's status socket (%d so far), %s: %s (the sender's "
+                "dropped a message on %s (%d so far), %s: %s (the sender's "
                 "address is unknown: a ZMQ PULL socket does not name it)",
+                self.where,
                 self.count,
                 origin,
                 reason,
@@ -493,6 +495,55 @@ def screen(mgr, msg, drops: DropLog):
     except Exception as error:  # a gap in the checks: surfaced, and the message is SGLang's
         drops.note_fault(claimed_origin(msg), claimed_room(msg), error)
         return Unchecked(msg)
+
+
+# ---- the prefill's bootstrap socket ----------------------------------------------------------------
+# Frame 0 of the messages SGLang's prefill bootstrap thread (`MooncakeKVManager.start_prefill_thread`)
+# handles before a room's metadata ("None": a decode's KV layout registration).
+WATERMARK, STAGING_RSP, ABORT, REGISTRATION = b"WATERMARK", b"STAGING_RSP", b"ABORT", b"None"
+
+
+def bootstrap_message_problem(mgr, msg) -> str | None:
+    """Why SGLang's prefill bootstrap thread must not see `msg`, or None. That thread decodes frame
+    0 as ASCII and parses the rest with SGLang's own parsers, none guarded: one message they raise on
+    (a non-ASCII byte, a missing frame, a non-number) ends the thread, and every later room of the
+    prefill waits until it times out. Each kind is parsed here first with SGLang's own parser
+    (`TransferInfo.from_zmq`, `KVArgsRegisterInfo.from_zmq`, its staging fields) and dropped if that
+    raises; an abort notification SGLang parses safely itself."""
+    from sglang.srt.disaggregation.mooncake.conn import KVArgsRegisterInfo, TransferInfo
+
+    if not msg or not all(isinstance(frame, bytes) for frame in msg):
+        return "an empty message or a frame that is not bytes"
+    head = msg[0]
+    if len(head) > MAX_ID_BYTES or not head.isascii():
+        return f"frame 0 {_show(head)} is not short ASCII text"
+    if head == ABORT:
+        return None
+    staging = head in (WATERMARK, STAGING_RSP)
+    if staging and not mgr.enable_staging:
+        return f"{head.decode()} on a prefill without staging"
+    try:
+        if staging:  # SGLang's handle_watermark_msg / handle_staging_rsp fields
+            numbers, text = ((1, 2), 3) if head == WATERMARK else ((1, 2, 3, 4, 5), 6)
+            [int(msg[i].decode("ascii")) for i in numbers]
+            if head == STAGING_RSP or len(msg) > text:
+                msg[text].decode("ascii")
+        else:
+            msg[3].decode("ascii")  # the session id, which the thread reads first
+            if head == REGISTRATION:
+                KVArgsRegisterInfo.from_zmq(msg)
+            else:
+                int(msg[7].decode("ascii")), int(head), TransferInfo.from_zmq(msg)
+    except Exception as error:  # SGLang's own parse raised: its thread would have ended
+        kind = f"a {head.decode()} message" if staging else "a KV layout registration" if head == REGISTRATION else "a room's metadata"  # fmt: skip
+        return f"{kind} of {len(msg)} frames that SGLang's parser raises {type(error).__name__} on"
+    return None
+
+
+def bootstrap_origin(msg) -> str:
+    """What a bootstrap message claims to be (its room, if a short decimal; not proof)."""
+    head = msg[0] if msg and isinstance(msg[0], bytes) else b""
+    return f"a message claiming room {_show(head)}" if head.isdigit() else f"a message whose frame 0 is {_show(head)}"
 
 
 # ---- the status signature --------------------------------------------------------------------------
