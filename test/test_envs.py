@@ -45,6 +45,15 @@ def test_typed_reads_and_overrides(monkeypatch):
         envs.SGLANG_NSA_CP_KERNELS.get()
     with envs.SGLANG_NSA_CP_PD_SECRET.override("short"), pytest.raises(ValueError, match="at least 16"):
         envs.SGLANG_NSA_CP_PD_SECRET.get()
+    secret = "0123456789abcdef0123"
+    for padded in (secret + "\n", " " + secret):  # every other variable refuses them: so does the secret
+        monkeypatch.setenv("SGLANG_NSA_CP_PD_SECRET", padded)
+        with pytest.raises(ValueError, match="SGLANG_NSA_CP_PD_SECRET has 1 space character") as refused:
+            envs.SGLANG_NSA_CP_PD_SECRET.get()
+        assert secret not in str(refused.value)  # never the value
+    monkeypatch.setenv("SGLANG_NSA_CP_PD_SECRET", "   ")
+    assert envs.SGLANG_NSA_CP_PD_SECRET.get() is None  # blank reads as unset
+    monkeypatch.delenv("SGLANG_NSA_CP_PD_SECRET")
     with envs.SGLANG_NSA_CP_TEST_SEED.override(7):
         assert envs.SGLANG_NSA_CP_TEST_SEED.get() == 7
     monkeypatch.setenv("SGLANG_NSA_CP_MOONCAKE_PORTS_CONFINED", " 1")

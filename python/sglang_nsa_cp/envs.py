@@ -118,7 +118,15 @@ class EnvSecret(EnvVar):
     type_name = "secret"
 
     def get(self) -> bytes | None:
-        value = os.environ.get(self.name, "")  # not stripped: every byte of a secret counts
+        """Spaces around the value are refused as for every other variable (a pasted secret with
+        a trailing newline on one node would differ from the others'), never shown."""
+        raw = os.environ.get(self.name, "")
+        value = raw.strip()
+        if value and value != raw:
+            raise ValueError(
+                f"{self.name} has {len(raw) - len(value)} space character(s) around its value; set it "
+                "without them, the same on the decode and on every prefill rank"
+            )
         return self.parse(value) if value else None
 
     def parse(self, value: str) -> bytes:

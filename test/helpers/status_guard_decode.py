@@ -192,3 +192,45 @@ def metadata_message(room, session, nonce, destinations=1, pages=1):
         bootstrap_room=room, required_dst_info_num=destinations, kv_indices=np.arange(pages, dtype=np.int32),
         aux_index=0, state_indices=None, decode_prefix_len=None, is_dummy=False,
     )  # fmt: skip
+
+
+def prefill_manager(stock=False):
+    """A shared-KV prefill manager of the plugin (SGLang's, `stock`) with the state SGLang's
+    prefill bootstrap thread reads, room ROOM bootstrapping (its sender registered it)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake.conn import NoncesByRoom, OwnedPageKVManager
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import OwnedPageLedger
+    from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import DropLog
+
+    mgr = object.__new__(MooncakeKVManager if stock else OwnedPageKVManager)
+    mgr.__dict__.update(
+        disaggregation_mode=DisaggregationMode.PREFILL, request_status={ROOM: KVPoll.Bootstrapping},
+        transfer_infos={}, req_to_decode_prefix_len={}, is_mla_backend=True, enable_staging=False,
+        deferred_bootstrap=None, enable_deferred_decode_kv_release=False, _deferred_ack_targets={},
+        _deferred_ack_poisoned_rooms=set(), _staging_outstanding={}, owned_pages_ledger=OwnedPageLedger(0, 2),
+        dropped_messages=DropLog(where="the prefill's bootstrap socket"),
+    )  # fmt: skip
+    mgr.destination_nonces = NoncesByRoom(live=mgr._has_live_sender) if not stock else None
+    return mgr
+
+
+class PrefillThread(DecodeThread):
+    """SGLang's `MooncakeKVManager.start_prefill_thread` (its bootstrap thread) on `mgr`, reading a
+    PULL socket on 127.0.0.1; `push` sends to it."""
+
+    def __init__(self, mgr):
+        import zmq
+        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+        self.ctx, self.mgr = zmq.Context(), mgr
+        pull = self.ctx.socket(zmq.PULL)
+        self.port = pull.bind_to_random_port("tcp://127.0.0.1")
+        mgr.__dict__.update(server_socket=pull, _stopped=False, _worker_threads=[],
+                            server_args=SimpleNamespace(enable_pd_role_switch=True))  # fmt: skip
+        MooncakeKVManager.start_prefill_thread(mgr)
+        self.thread = mgr._worker_threads[0]
+        self.sock = self.ctx.socket(zmq.PUSH)
+        self.sock.connect(f"tcp://127.0.0.1:{self.port}")

@@ -254,6 +254,12 @@ def _rename_decode_request_kv_receiver(monkeypatch):
     _renamed_dataclass(monkeypatch, "sglang.srt.disaggregation.decode", "DecodeRequest", "kv_receiver", "receiver")
 
 
+def _move_fake_kv_receiver(monkeypatch):
+    """SGLang moves `FakeKVReceiver`, which the decode hook imports to tell its warm-up request
+    apart (that import raised in the decode's scheduler at the first request)."""
+    monkeypatch.delattr(importlib.import_module("sglang.srt.disaggregation.fake.conn"), "FakeKVReceiver")
+
+
 # (fault, the hook the refusal must name, what it must say)
 FAULTS = [
     (_rename_target, SPEC_HOOK, "its target no longer resolves"),
@@ -274,6 +280,8 @@ FAULTS = [
     (_rename_decode_request_kv_receiver, "disaggregation.decode:allocate_grouped_by_owner",
      "relies on SGLang's `sglang.srt.disaggregation.decode.DecodeRequest.kv_receiver` (attribute), which is no "
      "longer set by SGLang's class"),
+    (_move_fake_kv_receiver, "disaggregation.decode:allocate_grouped_by_owner",
+     "relies on SGLang's `sglang.srt.disaggregation.fake.conn.FakeKVReceiver` (class), which no longer resolves"),
     (_make_slots_a_method, POOL_HOOK, f"`{POOL}._slots` (attribute), which is now a method"),
     (_break_hook_import, "layers.cp.utils:cp_gather_after_forward", "its hook does not import"),
 ]  # fmt: skip

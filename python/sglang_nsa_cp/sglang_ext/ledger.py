@@ -33,7 +33,7 @@ from importlib import import_module
 
 PACKAGE = "sglang_nsa_cp.sglang_ext"
 KINDS = ("BEFORE", "AFTER", "AROUND", "RESOLUTION")
-NAME_KINDS = ("method", "attribute")  # what an SGLang name the plugin relies on must be
+NAME_KINDS = ("method", "attribute", "class")  # what an SGLang name the plugin relies on must be
 RECORDED_FOR = "0.5.23"  # the SGLang version the fingerprints below were recorded on
 
 
@@ -50,7 +50,8 @@ class PatchPoint:
     plugin's code reproduces (the fused fp8 store: SGLang's quantizer), fingerprinted the same way.
     relies_on: the SGLang names (private or
     not) those overrides and the hook read on SGLang's objects, each `Class.name` with its kind
-    ("method", or "attribute": a class attribute, a field, or set on `self` by SGLang's class).
+    ("method", or "attribute": a class attribute, a field, or set on `self` by SGLang's class; or
+    "class": an SGLang class the plugin imports, e.g. to tell SGLang's fake receiver apart).
     """
 
     target: str
@@ -200,7 +201,8 @@ LEDGER: tuple[PatchPoint, ...] = (
                           *_names(f"{_S}disaggregation.decode.DecodeRequest", "kv_receiver req"),
                           *_names(f"{_MOONCAKE}.MooncakeKVReceiver", "bootstrap_addr prefill_info"),
                           *_names(f"{_MOONCAKE}.MooncakeKVManager", "prefill_info_table"),
-                          *_names(f"{_COMMON}.PrefillServerInfo", "attn_cp_size enable_kv_cache_sharding"))),
+                          *_names(f"{_COMMON}.PrefillServerInfo", "attn_cp_size enable_kv_cache_sharding"),
+                          (f"{_S}disaggregation.fake.conn.FakeKVReceiver", "class"))),
 )  # fmt: skip
 
 
@@ -382,6 +384,12 @@ def _declared_fields(cls: type) -> set[str]:
 
 def _name_problem(name: str, kind: str) -> str | None:
     """What is wrong with the SGLang `name` the plugin relies on as a `kind`, if anything."""
+    if kind == "class":
+        try:
+            cls = resolve_sglang(name)
+        except (ImportError, AttributeError, ValueError) as err:
+            return f"no longer resolves ({type(err).__name__}: {err})"
+        return None if isinstance(cls, type) else f"is now a {type(cls).__name__}, not a class"
     owner, attr = name.rsplit(".", 1)
     try:
         cls = resolve_sglang(owner)

@@ -50,6 +50,7 @@ from helpers.status_guard_decode import (  # noqa: E402
     ITEM_LENS,
     NOW,
     ROOM,
+    PrefillThread,
     SECRET,
     SLOTS,
     AuxBuffers,
@@ -59,6 +60,7 @@ from helpers.status_guard_decode import (  # noqa: E402
     idle_manager,
     make_receiver,
     metadata_message,
+    prefill_manager,
     rank_claims,
     status_message,
     success_message,
@@ -93,14 +95,14 @@ def hostile_messages(room, aux_index, kv_args, pages=4, use=NOW) -> list[Case]:
         # AUX_DATA: SGLang writes data at aux_data_ptrs[buffer] + item_len * index, unchecked
         Case("aux index one past the buffer", aux_message(room, 0, b"%d" % slots, data), f"aux index {slots} is out of range (0..{slots - 1})"),  # fmt: skip
         Case("aux index far past the buffer", aux_message(room, 0, b"1000000000", data), "aux index 1000000000 is out of range"),
-        Case("negative aux index", aux_message(room, 0, b"-1", data), "aux index b'-1' is not a decimal number"),
+        Case("negative aux index", aux_message(room, 0, b"-1", data), "aux index <2 B 2d31> is not a decimal number"),
         Case("aux index not a number", aux_message(room, 0, b"three", data), "is not a decimal number"),
         Case("aux index int() takes: '0_3'", aux_message(room, 0, b"0_3", data), "is not a decimal number"),
         Case("aux index int() takes: ' 3'", aux_message(room, 0, b" 3", data), "is not a decimal number"),
         Case("aux index in Arabic-Indic digits", aux_message(room, 0, "٣".encode(), data), "is not a decimal number"),
-        Case("aux index of 25 digits", aux_message(room, 0, b"9" * 25, data), "aux index of 25 digits"),
+        Case("aux index of 25 digits", aux_message(room, 0, b"9" * 25, data), "aux index of 25 bytes"),
         Case("aux buffer index past the buffers", aux_message(room, buffers, idx, data), f"aux buffer index {buffers} is out of range"),  # fmt: skip
-        Case("AUX_DATA room not a number", [b"AUX_DATA", b"seven", *good_aux[2:]], "room b'seven' is not a decimal number"),
+        Case("AUX_DATA room not a number", [b"AUX_DATA", b"seven", *good_aux[2:]], "room <5 B 736576656e> is not a decimal number"),
         Case("AUX_DATA of 1 frame", [b"AUX_DATA"], "AUX_DATA of 1 frames (6 expected)"),
         Case("AUX_DATA of 5 frames", good_aux[:5], "AUX_DATA of 5 frames (6 expected)"),
         Case("AUX_DATA of 7 frames", good_aux + [b""], "AUX_DATA of 7 frames (6 expected)"),
@@ -115,7 +117,7 @@ def hostile_messages(room, aux_index, kv_args, pages=4, use=NOW) -> list[Case]:
         Case("STAGING_REQ without staging", staging, "STAGING_REQ on a decode without staging"),
         Case("STAGING_REQ of 1 frame without staging", [b"STAGING_REQ"], "STAGING_REQ on a decode without staging"),
         Case("CHUNK_READY pages past the room", chunk[:3] + [b"3", b"2"] + chunk[5:], f"pages 3..4 of room {room}, which has {pages}", "staging"),  # fmt: skip
-        Case("CHUNK_READY chunk not a number", chunk[:2] + [b"x"] + chunk[3:], "chunk index b'x' is not a decimal number", "staging"),  # fmt: skip
+        Case("CHUNK_READY chunk not a number", chunk[:2] + [b"x"] + chunk[3:], "chunk index <1 B 78> is not a decimal number", "staging"),  # fmt: skip
         Case("CHUNK_READY of 6 frames", chunk[:6], "CHUNK_READY of 6 frames (7 expected)", "staging"),
         Case("CHUNK_READY writer id not ASCII", chunk[:5] + [b"\xff" * 8, b"0"], "writer id", "staging"),
         Case("CHUNK_READY for a room not waiting", [chunk[0], b"%d" % other, *chunk[2:]], "which is not waiting on this decode", "staging"),  # fmt: skip
@@ -125,8 +127,8 @@ def hostile_messages(room, aux_index, kv_args, pages=4, use=NOW) -> list[Case]:
         # ABORT_ACK
         Case("ABORT_ACK of 1 frame", [b"ABORT_ACK"], "ABORT_ACK of 1 frames (3 to 4 expected)"),
         Case("ABORT_ACK of 5 frames", [b"ABORT_ACK", b"%d" % room, b"0", b"1", b"1"], "ABORT_ACK of 5 frames"),
-        Case("ABORT_ACK room not a number", [b"ABORT_ACK", b"\x00", b"0", b"1"], "room b'\\x00' is not a decimal number"),
-        Case("ABORT_ACK negative generation", [b"ABORT_ACK", b"%d" % room, b"0", b"-5"], "generation b'-5' is not a decimal number"),  # fmt: skip
+        Case("ABORT_ACK room not a number", [b"ABORT_ACK", b"\x00", b"0", b"1"], "room <1 B 00> is not a decimal number"),
+        Case("ABORT_ACK negative generation", [b"ABORT_ACK", b"%d" % room, b"0", b"-5"], "generation <2 B 2d35> is not a decimal number"),  # fmt: skip
         Case("ABORT_ACK without a generation", [b"ABORT_ACK", b"%d" % room, b"0"], f"ABORT_ACK of generation None for room {room}"),  # fmt: skip
         Case("ABORT_ACK of another generation", [b"ABORT_ACK", b"%d" % room, b"0", b"%d" % (ABORT_GENERATION + 1)], "which this decode does not hold for that abort"),  # fmt: skip
         Case("ABORT_ACK for a room not held", [b"ABORT_ACK", b"%d" % other, b"0", b"%d" % ABORT_GENERATION], f"for room {other}, which this decode does not hold"),  # fmt: skip
@@ -134,12 +136,12 @@ def hostile_messages(room, aux_index, kv_args, pages=4, use=NOW) -> list[Case]:
         Case("status of 1 frame", [b"%d" % room], "a status of 1 frames (3 to 6 expected)"),
         Case("status of 2 frames", [b"%d" % room, b"4"], "a status of 2 frames (3 to 6 expected)"),
         Case("status of 7 frames", failed + [b""] * 3, "a status of 7 frames"),
-        Case("room not ASCII", [b"\xff\xfe", b"4", b"0"], "room b'\\xff\\xfe' is not a decimal number"),  # fmt: skip
-        Case("status not a number", [b"%d" % room, b"Success", b"0"], "status b'Success' is not a decimal number"),
+        Case("room not ASCII", [b"\xff\xfe", b"4", b"0"], "room <2 B fffe> is not a decimal number"),  # fmt: skip
+        Case("status not a number", [b"%d" % room, b"Success", b"0"], "status <7 B 53756363657373> is not a decimal number"),
         Case("status not a KVPoll value", status_message(room, 9, 0), "status 9 is not a KVPoll value"),
         Case("status past a byte", status_message(room, 300, 0), "status 300 is out of range (0..255)"),
         Case("room past 63 bits", [b"9" * 19, b"4", b"0"], "room 9999999999999999999 is out of range"),
-        Case("room of 5000 digits", [b"9" * 5000, b"4", b"0"], "room of 5000 digits"),
+        Case("room of 5000 digits", [b"9" * 5000, b"4", b"0"], "room of 5000 bytes"),
         Case("prefill rank 2^20", status_message(room, 4, 1 << 20), "prefill rank 1048576 is out of range (0..65535)"),
         Case("status for a room not waiting", status_message(other, 0, 0, b"forged"), f"a Failed status for room {other}, which is not waiting on this decode"),  # fmt: skip
         Case("oversized reason", status_message(room, 0, 0, b"x" * (20 << 10)), "a failure reason of 20480 bytes"),
@@ -327,7 +329,9 @@ def test_drops_are_logged_at_most_once_per_10_s_with_the_claimed_origin(caplog):
     )
     assert drops.count == 6 and len(caplog.records) == 2, [r.getMessage() for r in caplog.records]
     assert claimed_origin(aux_message(5, 0, b"1", b"x")) == "AUX_DATA claiming room 5"
-    assert claimed_origin([b"ABORT_ACK", b"\xff" * 100, b"2"]).startswith("ABORT_ACK claiming room b'")
+    assert claimed_origin([b"ABORT_ACK", b"\xff" * 100, b"2"]).startswith(
+        "ABORT_ACK claiming room <100 B ffffffffffffffff...>"
+    )
 
 
 # ---- SGLang's real decode thread on a real socket ------------------------------------------------------
@@ -513,6 +517,92 @@ def test_a_timeout_names_what_the_guard_dropped_for_the_room():
     assert ROOM not in mgr.dropped_messages.last_by_room and ROOM not in mgr.room_nonces
 
 
+def test_a_keyed_room_fed_no_manifests_names_the_secret_when_it_times_out():
+    """Issue 47: a keyed decode fed by an owner-sharded prefill that sends no manifests (SGLang's
+    own sharded prefill, or the plugin's without the flag) timed out saying only 'a Success without
+    an owned-page manifest'. The timeout's reason now names the variable and what the prefill needs."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = idle_manager(secret=SECRET)
+    receiver = make_receiver(mgr)
+    receiver.abort_notified = True  # no prefill to notify
+    decode = DecodeThread(mgr)
+    try:
+        decode.push([status_message(ROOM, KVPoll.Success, rank, b"") for rank in (0, 1)])
+        wait_for(lambda: mgr.dropped_messages.count == 2, "both manifest-less Successes dropped")
+    finally:
+        decode.close()
+    mgr.waiting_timeout = 0
+    assert receiver._check_waiting_timeout() == KVPoll.Failed
+    reason = mgr.failure_records[ROOM]
+    assert "a Success without an owned-page manifest" in reason and "SGLANG_NSA_CP_PD_SECRET" in reason, reason
+    receiver.clear()
+
+
+def test_a_status_answering_no_use_is_reported_as_a_missing_nonce_not_a_replay():
+    """Issue 47: when a prefill rank held no nonce of the decode for a room (evicted past its bound,
+    or its metadata never reached that rank), its Success carried a manifest of no use and its
+    signed Failed (which names the bound) a signature of no use: the decode dropped both as "a
+    replay", and the room timed out saying so. Both are now reported as the missing nonce, the
+    Failed with the prefill's (keyed) reason, in the drop log and the room's timeout reason; a
+    status of no use still does not count (an earlier one of the room would match it too)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import encode_manifest
+    from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import sign_status
+
+    mgr = idle_manager(secret=SECRET)
+    receiver = make_receiver(mgr)
+    receiver.abort_notified = True  # no prefill to notify
+    said = b"owned-page transfer of room 7: no use nonce held for decode 127.0.0.1:17001"
+    failed = status_message(ROOM, KVPoll.Failed, 1, said)
+    messages = [
+        status_message(ROOM, KVPoll.Success, 0, b"", encode_manifest(rank_claims(0), ROOM, 0, SECRET, uses=[])),
+        failed + [sign_status(SECRET, ROOM, 1, KVPoll.Failed, said, [])],
+    ]
+    decode = DecodeThread(mgr)
+    try:
+        decode.push(messages)
+        wait_for(lambda: mgr.dropped_messages.count == 2, "both statuses of no use dropped")
+    finally:
+        decode.close()
+    reasons = [reason for _, reason in mgr.dropped_messages.recent]
+    assert not any("replay" in r for r in reasons), reasons
+    assert "a manifest of room 7 that answers no use of the room: the prefill rank held no use nonce" in reasons[0]
+    assert "a Failed status of room 7 signed for no use of the room" in reasons[1] and said.decode() in reasons[1]
+    assert mgr.request_status[ROOM] not in (KVPoll.Success, KVPoll.Failed)  # neither counted
+    mgr.waiting_timeout = 0
+    assert receiver._check_waiting_timeout() == KVPoll.Failed
+    assert "no use nonce held for decode 127.0.0.1:17001" in mgr.failure_records[ROOM], mgr.failure_records[ROOM]
+    receiver.clear()
+
+
+def test_a_peers_text_never_reaches_a_timed_out_rooms_reason():
+    """Issue 47: a dropped message's frames were shown by their repr, and the room's last drop goes
+    into the reason a timed-out room returns to its client: an unauthenticated peer could write 40
+    characters of its choosing there. The guard now names a frame only by its size and first 8
+    bytes in hex, and the reason's drop part is bounded."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = idle_manager(secret=SECRET)
+    receiver = make_receiver(mgr)
+    receiver.abort_notified = True  # no prefill to notify
+    text = b"CALL-555-0100-FOR-SUPPORT"
+    decode = DecodeThread(mgr)
+    try:
+        decode.push([status_message(ROOM, KVPoll.Failed, 1, b"", text), [b"%d" % ROOM, b"%d" % KVPoll.Failed, text]])
+        wait_for(lambda: mgr.dropped_messages.count == 2, "both dropped")
+    finally:
+        decode.close()
+    mgr.waiting_timeout = 0
+    assert receiver._check_waiting_timeout() == KVPoll.Failed
+    reason = mgr.failure_records[ROOM]
+    assert "CALL" not in reason and "SUPPORT" not in reason, reason
+    assert f"from prefill rank <{len(text)} B {text[:8].hex()}...>: prefill rank of 25 bytes" in reason, reason
+    assert all("CALL" not in origin + why for origin, why in mgr.dropped_messages.recent)  # nor in the log
+    receiver.clear()
+
+
 def test_statuses_sglang_would_only_log_are_dropped(caplog):
     """Finding 6: without the secret each Bootstrapping, Transferring or WaitingForInput status
     (while the decode does not defer allocation) reached SGLang, which logged a warning for each:
@@ -555,7 +645,53 @@ def test_the_guard_cuts_a_frame_before_it_reprs_it():
     for msg in messages:
         assert guard_recv(mgr, lambda msg=msg: msg, drops)() is None
     assert drops.count == len(messages) and _ReprSpy.reprs == [], _ReprSpy.reprs
-    assert "room b'\\xff\\xff" in drops.recent[0][1] and len(drops.recent[0][1]) < 100, drops.recent[0]
+    assert "room <1048576 B ffffffffffffffff...>" in drops.recent[0][0] and len(" ".join(drops.recent[0])) < 150, (
+        drops.recent[0]
+    )
+    assert "rank <1048576 B ffffffffffffffff...>" in drops.recent[1][0] and len(" ".join(drops.recent[1])) < 150, (
+        drops.recent[1]
+    )
+
+
+class _ScanSpy(bytes):
+    """A frame that records each digit scan and hash of it (each costs O(size))."""
+
+    scans: list = []
+
+    def isdigit(self):
+        _ScanSpy.scans.append(("isdigit", len(self)))
+        return super().isdigit()
+
+    def __hash__(self):
+        _ScanSpy.scans.append(("hash", len(self)))
+        return super().__hash__()
+
+
+def test_a_long_frame_is_measured_before_it_is_scanned():
+    """Issue 47: a 1 MiB all-digit room frame cost the decode's guard ~0.9 ms (its digit check ran
+    before its length check; the kind lookup hashed the frame, ~0.4 ms more) and the prefill's
+    nonce note ~1.5 ms. Now no frame longer than a room number or a kind tag is scanned or hashed,
+    on the decode (SGLang's decode thread behind the guard) or on the prefill's bootstrap socket."""
+    from sglang_nsa_cp.sglang_ext.disaggregation.mooncake import conn
+    from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import DropLog, guard_recv
+
+    digits = _ScanSpy(b"7" * (1 << 20))
+    mgr, drops = decode_manager(), DropLog()
+    messages = [
+        [digits, b"4", b"0"],
+        [b"7", digits, b"0"],
+        aux_message(ROOM, 0, digits, b"x"),
+        [b"ABORT_ACK", digits, b"1"],
+    ]
+    for msg in messages:
+        assert guard_recv(mgr, lambda msg=msg: msg, drops)() is None
+    assert drops.count == len(messages) and _ScanSpy.scans == [], _ScanSpy.scans
+    assert "room of 1048576 bytes (at most 20 digits)" in drops.recent[0][1], drops.recent[0]
+    prefill = object.__new__(conn.OwnedPageKVManager)
+    prefill.destination_nonces = conn.NoncesByRoom()
+    prefill._note_use_nonce([digits, *metadata_message(ROOM, "decode:1", NOW)[1:]])
+    assert len(prefill.destination_nonces) == 0
+    assert _ScanSpy.scans == [], _ScanSpy.scans
 
 
 def test_each_success_is_parsed_once_and_its_manifest_decoded_once(monkeypatch):
@@ -668,6 +804,49 @@ def test_the_status_socket_queues_few_messages_per_connection():
     for sock in (push, pull, sglangs):
         sock.close(linger=0)
     ctx.term()
+
+
+BOOTSTRAP_KILLERS = {  # each ends SGLang 0.5.23's own prefill bootstrap thread
+    "non-ASCII frame 0": [b"\xff7", b"127.0.0.1", b"17001", b"s"],
+    "non-ASCII session": [b"8", b"127.0.0.1", b"17001", b"\xe9"],
+    "too few frames": [b"8", b"127.0.0.1"],
+    "room not a number": [b"eight", *[b"1"] * 9],
+    "metadata without a destination count": [b"8", b"127.0.0.1", b"17001", b"s", b"", b""],
+    "registration of 5 frames": [b"None", b"127.0.0.1", b"17001", b"s", b"\x00" * 3],
+    "WATERMARK without staging": [b"WATERMARK", b"1", b"2"],
+}
+
+
+@pytest.mark.parametrize("stock", [False, True], ids=["plugin", "sglang"])
+def test_the_prefill_bootstrap_thread_survives_malformed_messages_and_serves_the_room(stock):
+    """Issue 47: one non-ASCII (or otherwise malformed) message on a prefill's bootstrap socket ends
+    SGLang's bootstrap thread (SGLang's bug: every later room then waits until it times out). The
+    plugin's prefill screens that socket as the decode's: each message SGLang's parser would raise
+    on is dropped with the rate-limited log line, and the genuine room's metadata, sent after them,
+    is still served (the room's decode noted, WaitingForInput, the nonce held). The control, SGLang's
+    own manager, loses its thread to the first message."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = prefill_manager(stock=stock)
+    prefill = PrefillThread(mgr)
+    try:
+        prefill.push(BOOTSTRAP_KILLERS.values())
+        prefill.push([metadata_message(ROOM, "decode:1", NOW)])
+        if stock:
+            prefill.thread.join(timeout=10)
+            assert not prefill.thread.is_alive() and ROOM not in mgr.transfer_infos
+            return
+        wait_for(lambda: mgr.request_status[ROOM] == KVPoll.WaitingForInput, "the genuine room served")
+        assert prefill.thread.is_alive()
+        assert list(mgr.transfer_infos[ROOM]) == ["decode:1"] and dict(mgr.destination_nonces[ROOM]) == {
+            "decode:1": NOW
+        }
+        assert mgr.dropped_messages.count == len(BOOTSTRAP_KILLERS) and 8 not in mgr.transfer_infos
+        reasons = [why for _, why in mgr.dropped_messages.recent]
+        assert "frame 0 <2 B ff37> is not short ASCII text" in reasons[0], reasons
+        assert all("SGLang's parser raises" in r for r in reasons[1:-1]) and "without staging" in reasons[-1], reasons
+    finally:
+        prefill.close()
 
 
 def test_what_the_metadata_channel_can_make_a_prefill_keep_is_bounded():

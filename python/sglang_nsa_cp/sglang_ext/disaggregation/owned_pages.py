@@ -248,6 +248,17 @@ class ManifestOfAnotherUse(UnauthenticatedManifest):
     earlier use): not this room's business, dropped as if never sent."""
 
 
+class ManifestWithoutUse(ManifestOfAnotherUse):
+    """A manifest that answers no use at all: the prefill rank held no nonce from this decode for
+    the room (not a replay: its metadata never reached that rank, or the rank's bound evicted it)."""
+
+
+NO_USE_HELD = (
+    "the prefill rank held no use nonce from this decode for the room (its request metadata did not reach "
+    "that rank, or the rank's bound of noted rooms evicted it)"
+)
+
+
 def decode_manifest(
     frame: bytes,
     *,
@@ -286,6 +297,8 @@ def decode_manifest(
         raise ValueError(cut(f"malformed manifest: {e}", 300)) from None
     if m.room != room:
         raise ValueError(f"a manifest of room {m.room} in a status message of room {room}")
+    if use is not None and not m.uses:
+        raise ManifestWithoutUse(f"a manifest of room {room} that answers no use of the room: {NO_USE_HELD}")
     if use is not None and use not in m.uses:
         raise ManifestOfAnotherUse(f"a manifest of room {room} that answers another use of the room")
     for claims in (m.kv, m.index):

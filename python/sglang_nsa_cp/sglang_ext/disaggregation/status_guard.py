@@ -41,8 +41,10 @@ from sglang_nsa_cp.disagg.manifest import cut
 from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import (
     MANIFEST_TAG,
     MAX_USES,
+    NO_USE_HELD,
     USE_NONCE_BYTES,
     ManifestOfAnotherUse,
+    ManifestWithoutUse,
     UnauthenticatedManifest,
     decode_manifest,
     pool_pages,
@@ -79,10 +81,20 @@ class LateStatus(str):
     as SGLang logs it."""
 
 
+SHOWN_BYTES = 8  # of a frame that is not a short decimal: its size and this many leading bytes in hex
+
+
 def _show(frame) -> str:
+    """A frame as the guard's texts name it: a short decimal as itself, anything else by its size
+    and first SHOWN_BYTES bytes in hex, never as text: these texts reach the log and, through
+    the room's last drop, the reason a timed-out room returns to its client, and the peer is not
+    authenticated. Only the shown bytes are read (a repr of a 1 MiB frame cost ~10 ms)."""
     if isinstance(frame, bytes) and len(frame) <= MAX_DIGITS and frame.isdigit():
         return frame.decode()
-    return cut(repr(frame[:40]), 40)  # cut first: repr of a 1 MiB frame costs ~10 ms of the decode thread
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        return f"<a {type(frame).__name__}>"
+    more = "..." if len(frame) > SHOWN_BYTES else ""
+    return f"<{len(frame)} B {bytes(frame[:SHOWN_BYTES]).hex()}{more}>"
 
 
 def _frames(msg, what: str, low: int, high: int) -> None:
@@ -92,11 +104,12 @@ def _frames(msg, what: str, low: int, high: int) -> None:
 
 
 def _number(frame: bytes, what: str, below: int) -> int:
-    """A decimal in 0..below-1: ASCII digits only (`int` would take '-1', ' 7', '1_0', '٣')."""
+    """A decimal in 0..below-1: ASCII digits only (`int` would take '-1', ' 7', '1_0', '٣'). The
+    length is checked first: a digit scan of a 1 MiB frame cost the decode thread ~0.9 ms."""
+    if len(frame) > MAX_DIGITS:
+        raise _Drop(f"{what} of {len(frame)} bytes (at most {MAX_DIGITS} digits)")
     if not frame.isdigit():
         raise _Drop(f"{what} {_show(frame)} is not a decimal number")
-    if len(frame) > MAX_DIGITS:
-        raise _Drop(f"{what} of {len(frame)} digits (at most {MAX_DIGITS})")
     value = int(frame)
     if value >= below:
         raise _Drop(f"{what} {value} is out of range (0..{below - 1})")
@@ -267,6 +280,8 @@ def _decoded_manifest(mgr, room, rank, frame, expected, keyed):
             use=mgr.room_nonces.get(room),
             max_uses=expected.uses,
         )
+    except ManifestWithoutUse as e:  # not a replay: the prefill had no nonce to put in it
+        raise _Drop(str(e)) from None
     except ManifestOfAnotherUse as e:
         raise _Drop(f"a replay: {e}") from None
     except UnauthenticatedManifest as e:
@@ -287,6 +302,13 @@ def keyed_room(mgr, room: int) -> bool:
     return expected is None or expected.owner_sharded
 
 
+# What a keyed room's drop of an unkeyed peer says (it ends in the room's timeout reason).
+_KEYED_PEERS = (
+    f" (with {auth.SGLANG_NSA_CP_PD_SECRET.name} set here, every owner-sharded prefill must run the plugin "
+    "with shared KV and the same secret)"
+)
+
+
 def _authenticate(mgr, room, status, rank, reason, manifest, signature) -> None:
     """With the secret: a Success by its manifest (decoded and its MAC checked by
     `_decoded_manifest`), anything else by its status signature, each bound to this use of the
@@ -296,10 +318,7 @@ def _authenticate(mgr, room, status, rank, reason, manifest, signature) -> None:
         raise _Drop(f"a {STATUS_NAMES[status]} status for room {room}, of which this decode knows no use")
     if status != SUCCESS:
         if signature is None:
-            raise _Drop(
-                f"an unsigned {STATUS_NAMES[status]} status (with SGLANG_NSA_CP_PD_SECRET set here, every "
-                "owner-sharded prefill must run the plugin with shared KV and the same secret)"
-            )
+            raise _Drop(f"an unsigned {STATUS_NAMES[status]} status{_KEYED_PEERS}")
         problem = status_signature_problem(signature, mgr.pd_secret, room, rank, status, reason, use)
         if problem is not None:
             raise _Drop(problem)
@@ -307,12 +326,19 @@ def _authenticate(mgr, room, status, rank, reason, manifest, signature) -> None:
     if mgr.room_expectations.get(room) is None:
         raise _Drop(f"a Success for room {room}, whose pages this decode did not ask for")
     if manifest is None:
-        raise _Drop("a Success without an owned-page manifest")
+        raise _Drop(f"a Success without an owned-page manifest{_KEYED_PEERS}")
 
 
 _CHECKS = {AUX_DATA: _aux_data, CHUNK_READY: _chunk_ready, STAGING_REQ: _staging_req, ABORT_ACK: _abort_ack}
 # (room frame, prefill rank frame) of each kind, for the log line
 _ORIGIN = {AUX_DATA: (1, None), CHUNK_READY: (1, 6), STAGING_REQ: (1, None), ABORT_ACK: (1, 2)}
+_MAX_KIND = max(map(len, _CHECKS))
+
+
+def _kind(frame) -> bytes | None:
+    """Frame 0 if it names one of SGLang's message kinds, looked up only when short (hashing a
+    1 MiB frame to look it up cost ~0.4 ms)."""
+    return frame if len(frame) <= _MAX_KIND and frame in _CHECKS else None
 
 
 def check_message(mgr, msg):
@@ -325,7 +351,7 @@ def check_message(mgr, msg):
         raise _Drop("an empty message")
     if not all(isinstance(frame, bytes) for frame in msg):
         raise _Drop("a frame that is not bytes")
-    check = _CHECKS.get(msg[0])
+    check = _CHECKS.get(_kind(msg[0]))
     if check is not None:
         check(mgr, msg)
         return msg
@@ -362,7 +388,7 @@ def claimed_origin(msg) -> str:
     """What a message says it is and where it comes from. A PULL socket cannot name the sending
     address, so this is the message's own claim (room, prefill rank), not proof."""
     try:
-        kind = msg[0] if msg[0] in _ORIGIN else b""
+        kind = _kind(msg[0]) or b""
         room_at, rank_at = _ORIGIN.get(kind, (0, 2))
         room = _show(msg[room_at]) if room_at < len(msg) else "?"
         rank = f" from prefill rank {_show(msg[rank_at])}" if rank_at is not None and rank_at < len(msg) else ""
@@ -374,7 +400,7 @@ def claimed_origin(msg) -> str:
 def claimed_room(msg) -> int | None:
     """The room a message names, if it names one as a decimal, else None (not proof either)."""
     try:
-        kind = msg[0] if msg and msg[0] in _ORIGIN else b""
+        kind = (_kind(msg[0]) if msg else None) or b""
     except TypeError:  # an unhashable frame (only the guard's fault path sees one)
         return None
     at = _ORIGIN.get(kind, (0, 2))[0]
@@ -392,7 +418,8 @@ class DropLog:
 
     MAX_FAULT_ROOMS = 1024  # rooms whose fault was logged; past it, at most one line per interval_s
 
-    def __init__(self, interval_s: float = 10.0, clock=time.monotonic):
+    def __init__(self, interval_s: float = 10.0, clock=time.monotonic, where: str = "the decode's status socket"):
+        self.where = where
         self.count = 0
         self.recent = deque(maxlen=64)
         self.last_by_room = {}  # room waiting on the decode -> "origin: reason"; its receiver forgets it
@@ -413,8 +440,9 @@ class DropLog:
         if self._last_line is None or now - self._last_line >= self.interval_s:
             self._last_line = now
             logger.warning(
-                "dropped a message on the decode's status socket (%d so far), %s: %s (the sender's "
+                "dropped a message on %s (%d so far), %s: %s (the sender's "
                 "address is unknown: a ZMQ PULL socket does not name it)",
+                self.where,
                 self.count,
                 origin,
                 reason,
@@ -469,6 +497,55 @@ def screen(mgr, msg, drops: DropLog):
         return Unchecked(msg)
 
 
+# ---- the prefill's bootstrap socket ----------------------------------------------------------------
+# Frame 0 of the messages SGLang's prefill bootstrap thread (`MooncakeKVManager.start_prefill_thread`)
+# handles before a room's metadata ("None": a decode's KV layout registration).
+WATERMARK, STAGING_RSP, ABORT, REGISTRATION = b"WATERMARK", b"STAGING_RSP", b"ABORT", b"None"
+
+
+def bootstrap_message_problem(mgr, msg) -> str | None:
+    """Why SGLang's prefill bootstrap thread must not see `msg`, or None. That thread decodes frame
+    0 as ASCII and parses the rest with SGLang's own parsers, none guarded: one message they raise on
+    (a non-ASCII byte, a missing frame, a non-number) ends the thread, and every later room of the
+    prefill waits until it times out. Each kind is parsed here first with SGLang's own parser
+    (`TransferInfo.from_zmq`, `KVArgsRegisterInfo.from_zmq`, its staging fields) and dropped if that
+    raises; an abort notification SGLang parses safely itself."""
+    from sglang.srt.disaggregation.mooncake.conn import KVArgsRegisterInfo, TransferInfo
+
+    if not msg or not all(isinstance(frame, bytes) for frame in msg):
+        return "an empty message or a frame that is not bytes"
+    head = msg[0]
+    if len(head) > MAX_ID_BYTES or not head.isascii():
+        return f"frame 0 {_show(head)} is not short ASCII text"
+    if head == ABORT:
+        return None
+    staging = head in (WATERMARK, STAGING_RSP)
+    if staging and not mgr.enable_staging:
+        return f"{head.decode()} on a prefill without staging"
+    try:
+        if staging:  # SGLang's handle_watermark_msg / handle_staging_rsp fields
+            numbers, text = ((1, 2), 3) if head == WATERMARK else ((1, 2, 3, 4, 5), 6)
+            [int(msg[i].decode("ascii")) for i in numbers]
+            if head == STAGING_RSP or len(msg) > text:
+                msg[text].decode("ascii")
+        else:
+            msg[3].decode("ascii")  # the session id, which the thread reads first
+            if head == REGISTRATION:
+                KVArgsRegisterInfo.from_zmq(msg)
+            else:
+                int(msg[7].decode("ascii")), int(head), TransferInfo.from_zmq(msg)
+    except Exception as error:  # SGLang's own parse raised: its thread would have ended
+        kind = f"a {head.decode()} message" if staging else "a KV layout registration" if head == REGISTRATION else "a room's metadata"  # fmt: skip
+        return f"{kind} of {len(msg)} frames that SGLang's parser raises {type(error).__name__} on"
+    return None
+
+
+def bootstrap_origin(msg) -> str:
+    """What a bootstrap message claims to be (its room, if a short decimal; not proof)."""
+    head = msg[0] if msg and isinstance(msg[0], bytes) else b""
+    return f"a message claiming room {_show(head)}" if head.isdigit() else f"a message whose frame 0 is {_show(head)}"
+
+
 # ---- the status signature --------------------------------------------------------------------------
 def _status_mac_input(room: int, prefill_rank: int, status: int, reason: bytes, uses: bytes) -> tuple[bytes, bytes]:
     label = f"nsa-cp-status|{room}|{prefill_rank}|{status}".encode()
@@ -492,6 +569,9 @@ def status_signature_problem(frame, secret, room, prefill_rank, status, reason, 
     label, body = _status_mac_input(room, prefill_rank, status, reason, uses)
     if (problem := auth.verify(secret, label, body, mac)) is not None:
         return f"status signature: {problem}"
+    if use is not None and not uses:  # signed, but for no use: dropped (an earlier such status would match too)
+        said = cut(reason.decode("utf-8", errors="replace"), 200)  # keyed: the prefill's own words
+        return f"a {STATUS_NAMES[status]} status of room {room} signed for no use of the room: {NO_USE_HELD}; its reason: {said}"  # fmt: skip
     if use is not None and use not in {uses[i : i + USE_NONCE_BYTES] for i in range(0, len(uses), USE_NONCE_BYTES)}:
         return f"a replay: a {STATUS_NAMES[status]} status of room {room} that answers another use of the room"
     return None

@@ -28,6 +28,7 @@ from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, MooncakeK
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from sglang_nsa_cp.disagg import auth
+from sglang_nsa_cp.disagg.manifest import cut
 from sglang_nsa_cp.sglang_ext.disaggregation.common.conn import limited_status_frames
 from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import (
     MAX_USES,
@@ -41,9 +42,12 @@ from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import (
     verify_manifests,
 )
 from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import (
+    MAX_DIGITS,
     CheckedStatus,
     DropLog,
     Unchecked,
+    bootstrap_message_problem,
+    bootstrap_origin,
     guard_recv,
     keyed_room,
     screen,
@@ -160,7 +164,12 @@ class OwnedPageKVManager(MooncakeKVManager):
         self.room_manifests = {}  # decode: room -> {prefill rank: manifest}
         self.room_expectations = {}  # decode: room -> RoomExpectation (what it asked for)
         self.room_aux_indices = {}  # decode: room -> the aux (metadata) index it gave the prefill
-        self.dropped_messages = DropLog()  # decode: what the status guard kept from SGLang's decode thread
+        # what the status guard kept from SGLang's decode thread, or the screen from its prefill bootstrap thread
+        self.dropped_messages = DropLog(
+            where="the decode's status socket"
+            if disaggregation_mode == DisaggregationMode.DECODE
+            else "the prefill's bootstrap socket"
+        )
         self.pd_secret = auth.pd_secret()
         if is_enabled() and disaggregation_mode == DisaggregationMode.PREFILL:
             from sglang.srt.runtime_context import get_parallel
@@ -184,21 +193,27 @@ class OwnedPageKVManager(MooncakeKVManager):
         message is checked before SGLang's decode thread parses it (`status_guard`): one with a
         problem is dropped with a log line (at most one per 10 s) naming its claimed room and
         prefill rank and the problem; a PULL socket cannot name the sending address. On a
-        shared-KV prefill it notes the use nonce that rides on a decode's request metadata
-        (SGLang ignores the extra frame)."""
+        shared-KV prefill, a message SGLang's bootstrap thread would raise on (and end) is dropped
+        the same way (`bootstrap_message_problem`), and the use nonce that rides on a decode's
+        request metadata is noted (SGLang ignores the extra frame)."""
         recv = super()._make_worker_recv(socket, timeout_ms)
         if self.disaggregation_mode == DisaggregationMode.DECODE:
             return guard_recv(self, recv, self.dropped_messages)
         if self.owned_pages_ledger is None:
             return recv
 
-        def recv_noting_nonces():
+        def recv_screened_noting_nonces():
             msg = recv()
-            if msg is not None:
-                self._note_use_nonce(msg)
+            if msg is None:
+                return None
+            problem = bootstrap_message_problem(self, msg)
+            if problem is not None:
+                self.dropped_messages.note(bootstrap_origin(msg), problem)
+                return None
+            self._note_use_nonce(msg)
             return msg
 
-        return recv_noting_nonces
+        return recv_screened_noting_nonces
 
     # ---- prefill side ----------------------------------------------------------------------------
     def _note_use_nonce(self, msg) -> None:
@@ -210,7 +225,7 @@ class OwnedPageKVManager(MooncakeKVManager):
         most the destinations its first metadata declared, and `NoncesByRoom` bounds rooms and
         sessions in all: SGLang's metadata channel is unauthenticated, so these bound what anyone
         who reaches it can make the prefill keep and put into the room's manifests."""
-        if len(msg) < 10 or not msg[0].isdigit():
+        if len(msg) < 10 or len(msg[0]) > MAX_DIGITS or not msg[0].isdigit():  # length first: a 1 MiB scan
             return  # not a room's metadata (registration, staging, abort): SGLang's
         try:
             room, session, declared = int(msg[0].decode("ascii")), msg[3].decode("ascii"), int(msg[7])
@@ -536,8 +551,8 @@ class OwnedPageKVReceiver(MooncakeKVReceiver):
                 reason = mgr.failure_records.get(room, "timed out")
                 if len(expected) > 1 and silent:
                     reason += f"; no accepted transfer status from prefill rank(s) {silent} (success from {sorted(done)} of {expected})"  # fmt: skip
-                if dropped is not None:
-                    reason += f"; the last message dropped for this room: {dropped}"
+                if dropped is not None:  # the guard's words: a frame only by its size and hex (`_show`)
+                    reason += f"; the last message dropped for this room: {cut(dropped, 400)}"
                 mgr.failure_records[room] = reason
             mgr.room_manifests.pop(room, None)
         return result
