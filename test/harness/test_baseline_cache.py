@@ -1,4 +1,4 @@
-"""The forward baselines' cache (helpers/baseline_cache.py), CPU, ~15 s: a result is reused only for
+"""The forward baselines' cache (helpers/baseline_cache.py), CPU, ~10 s: a result is reused only for
 the same inputs; a changed argument, checkpoint byte, source file, steering variable or a file
 whose stored key is not its inputs' recomputes it, and `off` always recomputes."""
 
@@ -10,7 +10,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 from helpers import baseline_cache as B
 
-register_cpu_ci(est_time=15, suite="nsa-cp-test-cpu-unit")
+register_cpu_ci(est_time=10, suite="nsa-cp-test-cpu-unit")
 
 
 def baseline(rank, world, group, *args):  # what the runner is asked to run (never run here)
