@@ -23,8 +23,9 @@ server start and no rank spawn beyond a pool), so CI runs both and `scripts/test
 tier alone. `--write-times` records each file's measured wall time (a per-file run) in a JSON that
 test/scripts/test_run_suite.py holds every est_time to.
 
-Exit status: pytest's (0 when every file passed), 1 when a per-file run failed or the machine has
-too few GPUs for the suite, 2 for a registration problem or bad arguments. docs/testing.md says
+Exit status: pytest's (0 when every file passed), 1 when a per-file run failed, or on an idle
+machine took more than 50 % off a file's est_time (`est_time_check`), or the machine has too few
+GPUs for the suite, 2 for a registration problem or bad arguments. docs/testing.md says
 more.
 """
 
@@ -47,6 +48,8 @@ from sglang.test.ci.ci_register import CIRegistry, HWBackend, auto_partition, co
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTITION_ENV = "NSA_CP_TEST_PARTITION"  # read by test/helpers/sglang_servers.py (its ports)
 PER_TEST_TIMEOUT_S = 900  # pytest-timeout's limit per test, as scripts/test.sh gives it
+EST_TIME_TOLERANCE = 0.5  # a per-file run fails when a file took more than 50 % off its est_time ...
+# ... on an idle run only: the 1-minute load average below the core count at its start and its end
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +218,27 @@ def apply_times(path: str, test_dir: str) -> int:
     return changed
 
 
+def idle(load_at_start: float, load_at_end: float, cores: int) -> bool:
+    """An idle run: the 1-minute load average below the core count at its start and at its end
+    (else other work shared the cores, and a file's wall time says little about its est_time)."""
+    return load_at_start < cores and load_at_end < cores
+
+
+def est_time_check(rows, load_at_start: float, load_at_end: float, cores: int) -> tuple[list[str], bool]:
+    """(one line per passing file more than EST_TIME_TOLERANCE off its est_time, whether that fails
+    the run: only when the run was idle, see `idle`)."""
+    off = [(name, est, took) for name, est, took, rc in rows
+           if rc == 0 and abs(took - est) > EST_TIME_TOLERANCE * est]  # fmt: skip
+    was_idle = idle(load_at_start, load_at_end, cores)
+    verdict = "fails the run" if was_idle else "reported only"
+    lines = [f"run_suite: {name} took {took:.0f} s, est_time {est:.0f} s: more than "
+             f"{EST_TIME_TOLERANCE:.0%} off ({verdict}); set it with --write-times and --apply-times"
+             for name, est, took in off]  # fmt: skip
+    lines.append(f"run_suite: load average (1 min) {load_at_start:.2f} at start, {load_at_end:.2f} at end, "
+                 f"{cores} cores: {'an idle run' if was_idle else 'not an idle run, est_time not enforced'}")  # fmt: skip
+    return lines, bool(off) and was_idle
+
+
 def partition_env(part_id: int, part_size: int) -> dict:
     """What partition I of N runs under, so that N partitions can run at once on one machine: its
     number (test/helpers/sglang_servers.py gives each partition its own slice of the ports its
@@ -236,6 +260,7 @@ def run_files(enabled: list[CIRegistry], pytest_args: list[str], per_file: bool,
               f"(est {sum(r.est_time for r in enabled):.0f} s), exit {rc}", flush=True)  # fmt: skip
         return rc
     rows = []
+    load_at_start = os.getloadavg()[0]
     for i, r in enumerate(enabled, 1):
         print(f"run_suite: [{i}/{len(enabled)}] {r.filename}", flush=True)
         t1 = time.monotonic()
@@ -250,7 +275,11 @@ def run_files(enabled: list[CIRegistry], pytest_args: list[str], per_file: bool,
         print(f"  {name:{width}} {est:6.0f} {took:7.0f}  {rc}{'' if rc in ok else '  FAILED'}")
     if times:
         write_times(*times, rows)
-    return 0 if all(rc in ok for *_, rc in rows) else 1
+    est_fails = False
+    if not pytest_args:  # with pytest's arguments a file may run only part of its tests
+        lines, est_fails = est_time_check(rows, load_at_start, os.getloadavg()[0], os.cpu_count() or 1)
+        print("\n".join(lines), flush=True)
+    return 0 if all(rc in ok for *_, rc in rows) and not est_fails else 1
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -7,7 +7,8 @@ its bare name (`test_*.py`, `bench_*.py`) is in the repository; the exceptions a
 SGLang's own tree and one made-up example, listed below with why. Every test the documents name
 (`test_x.py::test_y`, or a bare `test_y` in backquotes) is a test function of that file, or of
 some test file. docs/testing.md's suite and file tables are what `scripts/gen_test_tables.py`
-generates from the registrations; every commit, machine and number docs/evidence.md gives for a
+generates from the registrations, and its claims table names, for every row of the README's status
+table, tests that exist (scripts/gen_test_tables.py's CLAIMS); every commit, machine and number docs/evidence.md gives for a
 results file appears in that file.
 """
 
@@ -106,6 +107,48 @@ def test_the_testing_doc_lists_every_registered_test_file():
     assert generator.current_doc_tables() == generator.tables(), (
         "docs/testing.md's tables are stale: run `.venv/bin/python scripts/gen_test_tables.py --write`"
     )
+
+
+def _gen_test_tables():
+    spec = importlib.util.spec_from_file_location("gen_test_tables", ROOT / "scripts" / "gen_test_tables.py")
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    return generator
+
+
+def claim_problems(readme: str, claims: dict, not_claims: dict) -> list[str]:
+    """What keeps docs/testing.md's claims table from holding every README status row."""
+    rows = _gen_test_tables().readme_status_rows(readme)
+    problems = [f"README status row {r!r} has no tests in CLAIMS (scripts/gen_test_tables.py)"
+                for r in rows if r not in claims and r not in not_claims]  # fmt: skip
+    problems += [f"CLAIMS entry {c!r} is no README status row" for c in claims if c not in rows]
+    problems += [f"CLAIMS entry {c!r} names no test" for c, tests in claims.items() if not tests]
+    for claim, tests in claims.items():
+        problems += [f"{claim!r}: {t} does not exist" for t in missing_tests(" ".join(f"`{t}`" for t in tests))]
+    return problems
+
+
+def test_every_readme_claim_is_held_by_named_tests_that_exist():
+    generator = _gen_test_tables()
+    assert claim_problems((ROOT / "README.md").read_text(), generator.CLAIMS, generator.NOT_A_CLAIM) == []
+    assert generator.current_doc_claims() == generator.claims_table(), (
+        "docs/testing.md's claims table is stale: run `.venv/bin/python scripts/gen_test_tables.py --write`"
+    )
+
+
+def test_a_claim_without_tests_or_a_test_gone_is_caught():
+    generator = _gen_test_tables()
+    readme = (ROOT / "README.md").read_text()
+    grown = readme.replace("| plugin scope |", "| a new piece | CPU |\n| plugin scope |", 1)
+    assert claim_problems(grown, generator.CLAIMS, generator.NOT_A_CLAIM) == [
+        "README status row 'a new piece' has no tests in CLAIMS (scripts/gen_test_tables.py)"
+    ]
+    claims = dict(generator.CLAIMS, **{"plugin scope": ("test_ledger.py::test_renamed_away",)})
+    assert claim_problems(readme, claims, generator.NOT_A_CLAIM) == [
+        "'plugin scope': test_ledger.py::test_renamed_away does not exist"
+    ]
+    claims = dict(generator.CLAIMS, **{"plugin scope": ()})
+    assert claim_problems(readme, claims, generator.NOT_A_CLAIM) == ["CLAIMS entry 'plugin scope' names no test"]
 
 
 def _gen_result_tables():

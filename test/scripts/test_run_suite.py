@@ -157,6 +157,36 @@ def test_measured_times_become_est_times_rounded_up_to_five_seconds(tmp_path):
     assert RS.apply_times(str(times), str(test_dir)) == 0  # already what was measured
 
 
+def test_a_file_more_than_half_off_its_est_time_fails_an_idle_run_only():
+    rows = [("a.py", 100, 151, 0), ("b.py", 100, 49, 0), ("c.py", 100, 150, 0), ("d.py", 100, 50, 0),
+            ("failed.py", 100, 1, 1)]  # fmt: skip
+    lines, fails = RS.est_time_check(rows, 1.9, 0.5, cores=2)
+    assert fails and len(lines) == 3, lines  # a and b, not c and d (exactly 50 % off), not the failed file
+    assert "a.py took 151 s, est_time 100 s" in lines[0] and "fails the run" in lines[0], lines
+    assert "b.py took 49 s" in lines[1] and "an idle run" in lines[2], lines
+    for start, end in ((2.0, 0.5), (0.5, 2.0)):  # the load average reached the cores at one end
+        lines, fails = RS.est_time_check(rows, start, end, cores=2)
+        assert not fails and "reported only" in lines[0] and "not an idle run" in lines[-1], lines
+    lines, fails = RS.est_time_check(rows[2:4], 0.0, 0.0, cores=2)  # within 50 %: nothing to report
+    assert not fails and len(lines) == 1 and "an idle run" in lines[0], lines
+
+
+@pytest.mark.parametrize("load, rc", [(0.1, 1), (2.5, 0)])
+def test_a_per_file_run_applies_the_est_time_check(tmp_path, monkeypatch, capsys, load, rc):
+    """Through main(): a file registered at 60 s that takes no time fails the per-file run when
+    the machine is idle, and is only reported when it is loaded; pytest's arguments skip it."""
+    (tmp_path / "test_a.py").write_text(REGISTERED.replace("est_time=1", "est_time=60"))
+    ran = []
+    monkeypatch.setattr(RS.subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    monkeypatch.setattr(RS.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(RS.os, "cpu_count", lambda: 2)
+    assert RS.main(["--test-dir", str(tmp_path), "--per-file"]) == rc and len(ran) == 1
+    out = capsys.readouterr().out
+    assert "test_a.py took 0 s, est_time 60 s: more than 50% off" in out, out
+    assert RS.main(["--test-dir", str(tmp_path), "--per-file", "--", "-k", "ok"]) == 0
+    assert "est_time 60 s: more than" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

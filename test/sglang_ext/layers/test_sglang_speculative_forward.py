@@ -38,6 +38,7 @@ from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from helpers import sglang_draft_harness as D  # noqa: E402
 from helpers import sglang_model_harness as H  # noqa: E402
+from helpers.baseline_cache import cached_run_ranks  # noqa: E402
 from helpers.distributed import run_ranks  # noqa: E402
 
 register_cpu_ci(est_time=120, suite="nsa-cp-test-cpu")
@@ -51,7 +52,13 @@ SGLANG_POOL = "sglang.srt.mem_cache.memory_pool.DSATokenToKVPool"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     path = D.write_mtp_checkpoint(str(tmp_path_factory.mktemp("tiny_glm5_mtp")))
-    return {mode: run_ranks(D.run_scenario, world, args=(path, mode), timeout_s=400) for mode, world in RUNS}
+    # the baselines (CP off, replicated CP) come from helpers/baseline_cache.py while their inputs stand
+    return {
+        mode: (run_ranks if mode == "sharded" else cached_run_ranks)(
+            D.run_scenario, world, args=(path, mode), timeout_s=400
+        )
+        for mode, world in RUNS
+    }
 
 
 def test_the_draft_pool_is_sglangs_mtp_shard_pool(runs):

@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from helpers import sglang_model_harness as H  # noqa: E402
+from helpers.baseline_cache import cached_run_ranks  # noqa: E402
 from helpers.distributed import run_ranks  # noqa: E402
 
 register_cpu_ci(est_time=330, suite="nsa-cp-test-cpu")
@@ -58,8 +59,11 @@ def runs(tmp_path_factory):
         name: H.write_checkpoint(str(tmp_path_factory.mktemp(f"tiny_{name}")), cfg)
         for name, cfg in (("v32", H.TINY_V32), ("glm5", H.TINY_GLM5))
     }
+    # the baselines (CP off, replicated CP) come from helpers/baseline_cache.py while their inputs stand
     return {
-        name: run_ranks(H.run_rotated_scenario, world, args=(paths[ckpt], mode, kv, plugin), timeout_s=400)
+        name: (run_ranks if mode == "sharded" else cached_run_ranks)(
+            H.run_rotated_scenario, world, args=(paths[ckpt], mode, kv, plugin), timeout_s=400
+        )
         for name, ckpt, mode, world, kv, plugin in RUNS
     }
 

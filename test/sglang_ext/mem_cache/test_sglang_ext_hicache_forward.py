@@ -50,6 +50,7 @@ from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from helpers import sglang_hicache_harness as HC  # noqa: E402
 from helpers import sglang_model_harness as H  # noqa: E402
+from helpers.baseline_cache import cached_run_ranks  # noqa: E402
 from helpers.distributed import run_ranks  # noqa: E402
 
 register_cpu_ci(est_time=170, suite="nsa-cp-test-cpu")
@@ -69,8 +70,11 @@ PLUGIN_POOL = "sglang_nsa_cp.sglang_ext.mem_cache.page_interleave_pool"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     path = H.write_checkpoint(str(tmp_path_factory.mktemp("tiny_v32")))
+    # the baselines (CP off, replicated CP) come from helpers/baseline_cache.py while their inputs stand
     return {
-        run: run_ranks(HC.evict_and_load_back, world, args=(path, mode), timeout_s=300)
+        run: (run_ranks if mode == "sharded" else cached_run_ranks)(
+            HC.evict_and_load_back, world, args=(path, mode), timeout_s=300
+        )
         for run, (mode, world) in RUNS.items()
     }
 
