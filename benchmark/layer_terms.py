@@ -157,6 +157,11 @@ class LayerTerms:
             raise ValueError(f"new={new}, history={history}: both must be >= 0")
         return 0.0 if new == 0 else self._fit(part, kv).ms(new, history, self.topk)
 
+    def coefficients(self, part: str, kv: str) -> tuple[float, ...]:
+        """The fit's coefficients in TERMS[part] order: ms = their dot with `features(part, ...)`
+        (trace_cost's step cost sums the features of a batch's requests, then takes one dot)."""
+        return tuple(self._fit(part, kv).coef.values())
+
     def layer_ms(self, kv: str, new: int, history: int) -> float:
         """attention + indexer + gemms + moe of one layer on one rank."""
         return sum(self.ms(part, kv, new, history) for part in PARTS)

@@ -88,6 +88,14 @@ class StepCost:
         share = width if path == "shared" else 1
         self.load_ms_per_token = kv_bytes_per_token / share / (H2D_GBPS[case] * 1e9) * 1e3
         self.overlap_load = case == "low"
+        # step_ms's fast path: the fits' coefficients (None: terms.ms per request) and memos of
+        # the collectives' ms, keyed by what traffic.py's bytes depend on
+        coefficients = getattr(terms, "coefficients", None)
+        self._coef = None if coefficients is None else {
+            p: coefficients(p, kv_dtype) for p in ("attention", "indexer", "gemms", "moe", "fused_store")}  # fmt: skip
+        self._topk = getattr(terms, "topk", None)
+        self._kv_memo: dict[tuple[int, int], tuple[float, float]] = {}
+        self._hidden_memo: dict[tuple[int, int], tuple[float, float]] = {}
 
     def _ms(self, part: str, new: float, history: float) -> float:
         if new <= 0:
@@ -141,7 +149,102 @@ class StepCost:
                 "step_ms": step}  # fmt: skip
 
     def step_ms(self, batches: list[list[tuple[int, int]]], loaded_tokens: int = 0) -> float:
-        return self.breakdown(batches, loaded_tokens)["step_ms"]
+        """breakdown(batches, loaded_tokens)["step_ms"], fast: each worker's requests summed into
+        the fits' features (one dot per part, not one per request), the collectives' ms memoized
+        by the integers traffic.py's bytes depend on. test_trace_cost_fast.py holds it to
+        breakdown() and the replay it drives to the per-request implementation."""
+        best, best_layer, best_gemms, node_new, node_requests = None, -1.0, 0.0, 0, 0
+        for batch in batches:
+            if not batch:
+                continue
+            layer, gemms, new = self._fast_worker_layer_ms(batch)
+            node_new += new
+            node_requests += len(batch)
+            if layer > best_layer:  # the first busiest, as max() picks it
+                best, best_layer, best_gemms = batch, layer, gemms
+        if best is None:
+            return 0.0
+        moe = self._fast_ms("moe", node_new / 8)
+        coll_compute, side = self._fast_kv_ms(best)
+        hidden_compute, tail = self._fast_hidden_ms(batches, node_new, node_requests)
+        window = best_layer + moe if self.path == "shared" else moe + best_gemms
+        exposed_side = max(0.0, side - window)
+        total = (self.moe_layers * moe + self.layers * (best_layer + (coll_compute + hidden_compute) + exposed_side)
+                 + tail)  # fmt: skip
+        load = self.load_ms_per_token * loaded_tokens
+        return max(total, load) if self.overlap_load else total + load
+
+    def _fast_ms(self, part: str, q: float) -> float:
+        """A part that reads no history (gemms, moe) at q tokens: a + b q, scaled; 0 for no work."""
+        if q <= 0:
+            return 0.0
+        if self._coef is None:
+            return self._ms(part, q, 0)
+        a, b = self._coef[part]
+        return (a + b * q) * self.scale[part]
+
+    def _fast_worker_layer_ms(self, batch) -> tuple[float, float, int]:
+        """(attention + indexer + gemms + store, gemms, new tokens) of `_worker_layer_ms(batch)`."""
+        w, g, new = self.cp, self.attn_tp, 0
+        if self._coef is None:
+            slices = [(n / w, h + n / 2 - n / (2 * w)) for n, h in batch if n]
+            att = sum(self._ms("attention", s, h) for s, h in slices) / g
+            idx = sum(self._ms("indexer", s, h) for s, h in slices)
+            q = sum(s for s, _ in slices)
+            new = sum(n for n, _ in batch)
+        else:
+            topk = self._topk
+            count = q = f_att = f_idx = hist = 0.0
+            for n, h in batch:
+                if n:
+                    s, hh = n / w, h + n / 2 - n / (2 * w)
+                    count += 1.0
+                    q += s
+                    hist += hh
+                    f_att += s * min(topk, hh + s / 2)
+                    f_idx += s * (hh + s / 2)
+                    new += n
+            a, b, c, d = self._coef["attention"]
+            att = (a * count + b * q + c * f_att + d * hist) * self.scale["attention"] / g
+            a, b, c = self._coef["indexer"]
+            idx = (a * count + b * q + c * f_idx) * self.scale["indexer"]
+        gemms = self._fast_ms("gemms", q) / g
+        if self._coef is None or not new:
+            store = self.terms.store_ms(self.kv, new) * self.scale["store"]
+        else:
+            a, b = self._coef["fused_store"]
+            store = (a + b * new) * self.scale["store"]
+        return att + idx + gemms + store, gemms, new
+
+    def _fast_kv_ms(self, batch) -> tuple[float, float]:
+        """(compute-stream per-layer ms, side-stream per-layer ms incl. the fill) of the busiest
+        worker's KV collectives: they depend on its new tokens and (shared) its moved pages only."""
+        new = sum(n for n, _ in batch)
+        moved = self.cp * sum(-(-(h // TF.PAGE) // self.cp) for _, h in batch) if self.path == "shared" else 0
+        key = (new, moved)
+        hit = self._kv_memo.get(key)
+        if hit is None:
+            fwd = TF.Batch(tuple(batch))
+            coll = TF.kv_terms(self.path, self.cp, self.kv, self.layers, fwd, self.pool_rows)
+            compute = sum(self._collective_ms(t) for t in coll if t.per == "layer" and t.stream == "compute")
+            side = sum(self._collective_ms(t) for t in coll if t.stream == "side")
+            if self.path == "shared" and side:
+                side += self.terms.fill_ms(self.kv, moved // self.cp * TF.PAGE) * self.scale["fill"]
+            hit = self._kv_memo[key] = (compute, side)
+        return hit
+
+    def _fast_hidden_ms(self, batches, node_new: int, node_requests: int) -> tuple[float, float]:
+        """(compute-stream per-layer ms, per-forward tail ms) of the hidden-state collectives: they
+        depend on the node's new tokens and request count only."""
+        key = (node_new, node_requests)
+        hit = self._hidden_memo.get(key)
+        if hit is None:
+            node_batch = TF.Batch(tuple((n, h) for b in batches for n, h in b))
+            hidden = TF.hidden_terms(self.path, self.cp, self.mcfg["hidden_size"], self.layers, node_batch)
+            compute = sum(self._collective_ms(t) for t in hidden if t.per == "layer" and t.stream == "compute")
+            tail = sum(self._collective_ms(t) for t in hidden if t.per == "forward")
+            hit = self._hidden_memo[key] = (compute, tail)
+        return hit
 
 
 def simulate_node(workers: list[list[tuple]], chunk: int, cost) -> tuple[list[float], float]:
@@ -149,52 +252,62 @@ def simulate_node(workers: list[list[tuple]], chunk: int, cost) -> tuple[list[fl
     order as (arrival_s, input_len, hit_tokens, loaded_tokens). All workers step together (DP
     attention ranks run each forward in lockstep; a CP node has one worker): each builds a batch
     of up to `chunk` new tokens, the chunked request first, then waiting requests FIFO, the last
-    one cut at a page boundary. Returns (TTFTs, busy seconds)."""
+    one cut at a page boundary. Returns (TTFTs, busy seconds).
+
+    A worker's waiting requests are its arrived ones not yet started, [head, arrived) of its
+    queue (FIFO in arrival order), so no queue is built."""
     page = 64
     queues = [list(w) for w in workers]
-    nxt = [0] * len(workers)
-    waiting = [[] for _ in workers]  # indices into queues, FIFO (head at pos)
-    heads = [0] * len(workers)
-    running = [None] * len(workers)  # [index, done_tokens]
+    sizes = [len(q) for q in queues]
+    arrived = [0] * len(queues)  # requests with arrival_s <= now
+    heads = [0] * len(queues)  # the first not yet started
+    running = [None] * len(queues)  # (index, done_tokens) of the chunked request
     ttft, now, busy = [], 0.0, 0.0
-    left = sum(len(q) for q in queues)
+    left = sum(sizes)
     while left:
+        batches, finished, loaded, work = [], [], 0, False
         for w, q in enumerate(queues):
-            while nxt[w] < len(q) and q[nxt[w]][0] <= now:
-                waiting[w].append(nxt[w])
-                nxt[w] += 1
-        batches, finished, loaded = [], [], 0
-        for w, q in enumerate(queues):
+            a, n = arrived[w], sizes[w]
+            while a < n and q[a][0] <= now:
+                a += 1
+            arrived[w] = a
             budget, batch = chunk, []
-            if running[w] is not None:
-                i, done = running[w]
-                take = min(q[i][1] - done, budget // page * page)
+            r = running[w]
+            if r is not None:
+                i, done = r
+                length = q[i][1]
+                take = min(length - done, budget // page * page)
                 batch.append((take, done))
                 budget -= take
-                running[w] = [i, done + take] if done + take < q[i][1] else None
-                if running[w] is None:
-                    finished.append((w, i))
-            while heads[w] < len(waiting[w]) and budget >= page and running[w] is None:
-                i = waiting[w][heads[w]]
-                arrival, length, hit, load = q[i]
+                if done + take < length:
+                    running[w] = (i, done + take)
+                else:
+                    running[w] = r = None
+                    finished.append(q[i][0])
+            head = heads[w]
+            while head < a and budget >= page and r is None:
+                arrival, length, hit, load = q[head]
                 extend = length - hit
                 take = extend if extend <= budget else budget // page * page
-                heads[w] += 1
                 batch.append((take, hit))
                 loaded += load
                 budget -= take
                 if take < extend:
-                    running[w] = [i, hit + take]
+                    running[w] = r = (head, hit + take)
                 else:
-                    finished.append((w, i))
+                    finished.append(arrival)
+                head += 1
+            heads[w] = head
+            if batch:
+                work = True
             batches.append(batch)
-        if not any(batches):
-            now = min(q[nxt[w]][0] for w, q in enumerate(queues) if nxt[w] < len(q))
+        if not work:
+            now = min(q[arrived[w]][0] for w, q in enumerate(queues) if arrived[w] < sizes[w])
             continue
         dt = cost.step_ms(batches, loaded) / 1e3
         now += dt
         busy += dt
-        for w, i in finished:
-            ttft.append(now - queues[w][i][0])
-            left -= 1
+        for arrival in finished:
+            ttft.append(now - arrival)
+        left -= len(finished)
     return ttft, busy
