@@ -497,6 +497,10 @@ def register():
         from helpers import collective_counter
 
         collective_counter.install_in_server(os.environ[collective_counter.ENV])
+    if os.environ.get("NSA_CP_TEST_SPECULATIVE"):  # a speculative (EAGLE / MTP) server test
+        from helpers import sglang_spec_stand_ins
+
+        sglang_spec_stand_ins.install()
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner.load_model", _patch_loaded_model, HookType.AFTER
     )

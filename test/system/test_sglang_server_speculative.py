@@ -1,0 +1,157 @@
+"""CPU, ~8 min (real servers, 6 scheduler processes on 2 cores; start-up ~4 min): speculative decoding
+(EAGLE over GLM-5's NextN / MTP layer) through PD with `--enable-nsa-prefill-cp-shared-kv`, on
+SGLang 0.5.23's real servers, checked against a non-speculative oracle.
+
+Servers (test/helpers/sglang_servers.py, with the speculative stand-ins of
+helpers/sglang_spec_stand_ins.py; the checkpoint is helpers/sglang_spec_model.py: a tiny
+`GlmMoeDsaForCausalLM` whose NextN layer is built from the target's weights, so the draft is
+accepted often):
+- shared:     PD prefill, CP=2 interleave, the flag, EAGLE (target and draft pools sharded);
+- replicated: PD prefill, CP=2 interleave, no flag, EAGLE (SGLang's replicated CP);
+- decode:     PD decode, CP off, EAGLE, serving both prefills over Mooncake (one request at a time);
+- single:     an ordinary non-PD, non-CP, non-speculative server (the oracle).
+EAGLE: top-k 1, SPEC_STEPS steps, SPEC_DRAFT_TOKENS draft tokens. Each prefill runs the draft
+extend over the prompt and sends the draft's KV pages with the target's and the draft's proposal
+in its metadata; the decode drafts from them. For the same requests, greedy tokens of both PD
+paths must equal the oracle's, and SGLang's own `meta_info` speculative counters
+(`spec_accept_length`, `spec_verify_ct`, the accepted-drafts histogram) must be equal between the
+shared and the replicated prefill; the mean accept length must be above 1 (drafts accepted). The
+prompts include one prefilled in several chunks and a radix hit.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import concurrent.futures as futures  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import requests  # noqa: E402
+from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
+
+from helpers import sglang_servers as S  # noqa: E402
+from helpers import sglang_spec_model as M  # noqa: E402
+from helpers import sglang_spec_stand_ins  # noqa: E402
+
+register_cpu_ci(est_time=480, suite="nsa-cp-test-cpu")
+
+NEW_TOKENS = 12
+SPEC_STEPS, SPEC_DRAFT_TOKENS = 2, 3
+SPEC_ARGS = [
+    "--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "1",
+    "--speculative-num-steps", str(SPEC_STEPS), "--speculative-num-draft-tokens", str(SPEC_DRAFT_TOKENS),
+    # the draft's own DSA top-k backend (SGLang's default is sgl-kernel's) and no CUDA graphs for the
+    # draft worker (SGLang decides that one apart from the target's, which --device cpu turns off)
+    "--speculative-dsa-topk-backend", "torch", "--disable-cuda-graph",
+]  # fmt: skip
+SPEC_ROLES = ("shared", "replicated", "decode")
+# SGLang's own counters of a speculative request (meta_info), compared between the two prefills
+SPEC_FIELDS = ("spec_accept_length", "spec_verify_ct", "spec_num_correct_drafts", "spec_correct_drafts_histogram")
+ENV = {sglang_spec_stand_ins.ENV: "1", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "600"}
+
+
+class SpecCluster(S.Cluster):
+    def write_model(self, path: str) -> str:
+        return M.write_model(path, self.cp)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in ENV.items():
+            patch.setitem(S.SERVER_ENV, key, value)
+        workdir = tmp_path_factory.mktemp("sglang_spec_cpu")
+        extra = {role: SPEC_ARGS for role in SPEC_ROLES}
+        with SpecCluster(workdir, router=False, extra_args=extra).running(timeout_s=600) as cluster:
+            yield cluster
+
+
+ACCEPT_LENGTHS: list[float] = []  # every PD request's spec_accept_length, for the last test
+
+
+def _paths(cluster, ids):
+    """The same greedy request at once through the shared PD, the replicated PD and the oracle;
+    returns each path's whole answer."""
+    decode = cluster.servers["decode"]
+    calls = {
+        "shared": lambda: S.generate_pd(cluster.servers["shared"], decode, ids, NEW_TOKENS, timeout_s=600)[1],
+        "replicated": lambda: S.generate_pd(cluster.servers["replicated"], decode, ids, NEW_TOKENS, timeout_s=600)[1],
+        "oracle": lambda: S.generate(cluster.servers["single"].url, ids, NEW_TOKENS, timeout_s=600),
+    }
+    with futures.ThreadPoolExecutor(len(calls)) as pool:
+        pending = {path: pool.submit(call) for path, call in calls.items()}
+        out = {}
+        for path, answer in pending.items():
+            try:
+                result = answer.result()
+                if isinstance(result, Exception):
+                    raise result
+            except requests.RequestException as e:
+                raise AssertionError(f"{path}, prompt of {len(ids)} tokens: {e!r}\n{cluster.log_tails()}") from e
+            out[path] = result
+    return out
+
+
+def _assert_paths(where, answers):
+    oracle = answers["oracle"]["output_ids"]
+    assert len(oracle) == NEW_TOKENS, where
+    assert "spec_verify_ct" not in answers["oracle"]["meta_info"], f"{where}: the oracle ran speculative decoding"
+    for path in ("shared", "replicated"):
+        assert answers[path]["output_ids"] == oracle, f"{where}: {path} PD {answers[path]['output_ids']} != {oracle}"
+    spec = {path: {k: answers[path]["meta_info"].get(k) for k in SPEC_FIELDS} for path in ("shared", "replicated")}
+    print(f"{where}: {oracle} {spec['shared']}")
+    assert spec["shared"]["spec_verify_ct"], f"{where}: the decode verified no draft: {spec['shared']}"
+    assert spec["shared"] == spec["replicated"], f"{where}: speculative counters differ: {spec}"
+    ACCEPT_LENGTHS.append(spec["shared"]["spec_accept_length"])
+
+
+def test_both_prefills_serve_eagle_and_only_the_flag_shards_its_pools(cluster):
+    """Every speculative server runs EAGLE; the shared prefill builds SGLang's sharded pool twice
+    per CP rank (the target's and the MTP draft's, `_build_mtp_kv_shard_pool`), the replicated one
+    none; the oracle is not speculative."""
+    print(f"servers ready in {cluster.startup_s:.0f} s")
+    for role in SPEC_ROLES:
+        info = cluster.servers[role].info()
+        assert info["speculative_algorithm"] == "EAGLE", (role, info["speculative_algorithm"])
+        assert info["speculative_num_steps"] == SPEC_STEPS and info["speculative_eagle_topk"] == 1, role
+    assert cluster.servers["single"].info()["speculative_algorithm"] is None
+    for rank in range(S.CP):
+        pools = S.scratch_logs(cluster.servers["shared"], rank)
+        assert len(pools) == 2, f"rank {rank}: {pools}"  # target, then draft
+    assert not S.scratch_logs(cluster.servers["replicated"], 0)
+
+
+def test_short_and_chunked_prompts_decode_the_oracles_tokens_with_equal_accept_counts(cluster):
+    """One prompt within a chunk and one of several chunks (the draft extend of each chunk over the
+    draft's history, gathered from the owners under the flag)."""
+    for n in (40, 3 * S.CHUNK_TOKENS + 40):
+        _assert_paths(f"prompt of {n} tokens", _paths(cluster, S.prompt_ids(n, seed=n)))
+
+
+def test_radix_hit_decodes_the_oracles_tokens_with_equal_accept_counts(cluster):
+    """A second request over a cached two-page prefix: both prefills extend only the tail, the
+    draft over its cached history."""
+    prefix = S.prompt_ids(2 * S.PAGE + 5, seed=11)
+    _assert_paths("first request", _paths(cluster, prefix + S.prompt_ids(20, seed=12)))
+    marks = {name: len(cluster.servers[name].log_text()) for name in ("shared", "replicated")}
+    _assert_paths("second request (cached prefix)", _paths(cluster, prefix + S.prompt_ids(30, seed=13)))
+    for name, mark in marks.items():
+        hits = [int(h) for h in re.findall(r"#cached-token: (\d+)", cluster.servers[name].log_text(mark))]
+        assert hits and max(hits) >= 2 * S.PAGE, f"{name}: no radix hit of >= {2 * S.PAGE} tokens: {hits}"
+
+
+def test_the_draft_is_accepted(cluster):
+    """SGLang's accept length counts the verified token too: 1 means no draft accepted. Above 1,
+    the equal counters above compare drafts that mattered."""
+    assert len(ACCEPT_LENGTHS) == 4, ACCEPT_LENGTHS  # the requests of the tests above, in order
+    mean = sum(ACCEPT_LENGTHS) / len(ACCEPT_LENGTHS)
+    print(f"mean accept length {mean:.2f} of {SPEC_DRAFT_TOKENS}: {ACCEPT_LENGTHS}")
+    assert mean > 1, ACCEPT_LENGTHS
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
