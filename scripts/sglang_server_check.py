@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test"))
 NEW_TOKENS = 6
 GPU_CONFIGS = ["bfloat16:2", "bfloat16:4", "fp8_e4m3:2", "fp8_e4m3:4"]
 GLM5_CONFIGS = ["bfloat16:4", "fp8_e4m3:4"]  # --model glm5-shaped: a 128k-token prompt at CP 4
+MTP_CONFIGS = ["bfloat16:2", "fp8_e4m3:2"]  # --model mtp-toy: its vocabulary of 128 splits at TP 2
 # The configurations share one GPU. Four clusters at once (32 processes) ran an H200 out of memory
 # (oracles on their long prompts, then a prefill mid-request): --at-once 2 by default.
 # A long prompt's oracle needs GBs for a moment (SGLang's unfused top-k over 8,192 x 100k logits), so
@@ -109,6 +110,51 @@ def run_requests(cluster, S, page: int, chunk: int, context: int, top_logprobs: 
         row["seconds"] = round(time.monotonic() - t0, 1)
         say(f"{name}: {len(ids)} tokens, {'ok' if row.get('equal') else 'DIFFERS'} in {row['seconds']} s")
         rows.append(row)
+    return rows
+
+
+# SGLang's own counters of a speculative request (meta_info), equal between the two prefills
+SPEC_FIELDS = ("spec_accept_length", "spec_verify_ct", "spec_num_correct_drafts", "spec_correct_drafts_histogram")
+SPEC_NEW_TOKENS = 12
+
+
+def spec_requests(cluster, S, page: int, chunk: int, say=print) -> list[dict]:
+    """`--model mtp-toy` (EAGLE on both prefills and the decode, a non-speculative oracle): for a
+    one-chunk prompt, one of three chunks and a radix hit, the three paths' tokens must be the
+    oracle's and SGLang's speculative counters equal between the shared and the replicated prefill."""
+    shared = cluster.servers["shared"]
+    prefix = S.prompt_ids(2 * page + 5, seed=11)
+    cases = [("one chunk", S.prompt_ids(40, seed=40)), (f"chunked ({chunk}-token chunks)", S.prompt_ids(3 * chunk + 40, seed=3)),
+             ("radix: first", prefix + S.prompt_ids(20, seed=12)), ("radix: hit", prefix + S.prompt_ids(30, seed=13))]  # fmt: skip
+    rows = []
+    for name, ids in cases:
+        row = {"case": name, "tokens": len(ids)}
+        mark, t0 = len(shared.log_text()), time.monotonic()
+        try:
+            answers = {}
+            row.update(S.three_paths(cluster, ids, SPEC_NEW_TOKENS, timeout_s=300, answers=answers))
+            row["spec"] = {
+                p: {k: answers[p]["meta_info"].get(k) for k in SPEC_FIELDS} for p in ("shared", "replicated")
+            }
+            row["oracle_speculative"] = "spec_verify_ct" in answers["oracle"]["meta_info"]
+            row["equal"] = (row["shared"] == row["replicated"] == row["oracle"] and len(row["oracle"]) == SPEC_NEW_TOKENS
+                            and row["spec"]["shared"] == row["spec"]["replicated"] and bool(row["spec"]["shared"]["spec_verify_ct"])
+                            and not row["oracle_speculative"])  # fmt: skip
+            if name == "radix: hit":
+                row["shared_cached_tokens"] = max(_cached_tokens_since(shared, mark), default=0)
+                row["equal"] = row["equal"] and row["shared_cached_tokens"] >= 2 * page
+        except Exception:  # noqa: BLE001 -- a case's failure is recorded and the run goes on
+            row.update(equal=False, error=traceback.format_exc(limit=3))
+        row["seconds"] = round(time.monotonic() - t0, 1)
+        row["note"] = f"speculative counters, shared prefill: {row.get('spec', {}).get('shared')}"
+        say(f"{name}: {len(ids)} tokens, {'ok' if row.get('equal') else 'DIFFERS'}; {row['note']}")
+        rows.append(row)
+    # SGLang's accept length counts the verified token: above 1, the equal counters compare drafts that mattered
+    accepted = [r["spec"]["shared"]["spec_accept_length"] for r in rows if r.get("spec")]
+    mean = sum(accepted) / len(accepted) if accepted else 0.0
+    rows.append({"case": "drafts accepted", "tokens": 0, "seconds": 0.0, "accept_lengths": accepted,
+                 "mean_accept_length": mean, "equal": mean > 1, "note": f"mean accept length {mean:.2f}: {accepted}"})  # fmt: skip
+    say(f"accept lengths {accepted}: mean {mean:.2f}")
     return rows
 
 
@@ -298,7 +344,10 @@ def run_config(result: dict, args) -> None:
         with contextlib.ExitStack() as turn, cluster.running(timeout_s=args.startup_timeout_s):
             result["startup_s"] = round(cluster.startup_s, 1)
             say(f"servers up in {result['startup_s']} s")
-            result["requests"] = run_requests(cluster, S, page, chunk, context, top_logprobs, say, vocab)
+            if spec.speculative:
+                result["requests"] = spec_requests(cluster, S, page, chunk, say)
+            else:
+                result["requests"] = run_requests(cluster, S, page, chunk, context, top_logprobs, say, vocab)
             result["capacity"] = {name: demo.capacity(cluster.servers[name]) for name in ("shared", "replicated")}
             if args.long_prompt and args.device == "cuda":
                 turn.enter_context(LONG_PROMPT_TURN)  # released after the servers stop
@@ -409,6 +458,10 @@ def model_shape(name: str, device: str) -> dict:
             "qk_rope_head_dim", "index_n_heads", "index_head_dim", "index_topk", "vocab_size",
             "max_position_embeddings")  # fmt: skip
     shape = {k: cfg[k] for k in keys if k in cfg}
+    if MODELS[name].speculative:
+        line = (f"{shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, GLM-5's architecture and its "
+                "NextN layer built from layer 0's weights, served with EAGLE (top-k 1)")  # fmt: skip
+        return {"toy model": line, **shape}
     if name == "toy":
         line = f"{shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, random weights"
         return {"toy model": line, **shape}
@@ -462,9 +515,11 @@ def _write_checkpoint_once(model: str, t0: float) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--model", choices=("toy", "glm5-shaped", "glm5-shaped-dense"), default="toy",
+    p.add_argument("--model", choices=("toy", "glm5-shaped", "glm5-shaped-dense", "mtp-toy"), default="toy",
                    help="toy: the 2-layer hidden-64 model; glm5-shaped: GLM-5's attention, indexer and vocabulary, "
-                   "1 dense + 2 MoE layers (helpers/glm5_shaped.py; on cpu the same structure at CPU sizes)")  # fmt: skip
+                   "1 dense + 2 MoE layers (helpers/glm5_shaped.py; on cpu the same structure at CPU sizes); mtp-toy "
+                   "(cuda): GLM-5's architecture with a NextN layer from the target's weights, EAGLE on both "
+                   "prefills and the decode")  # fmt: skip
     p.add_argument("--configs", nargs="+", help="KV_DTYPE:CP, e.g. fp8_e4m3:4 (default: bf16 and fp8 at CP 2 and 4 "
                    "on cuda, bfloat16:2 on cpu)")  # fmt: skip
     p.add_argument("--long-prompt", type=int, help="tokens of the long prompt (cuda only; default 100000, "
@@ -477,7 +532,8 @@ def main(argv=None) -> int:
                    "(--enable-dsa-cache-layer-split) and count both prefills' collectives per forward")  # fmt: skip
     args = p.parse_args(argv)
     gpu = args.device == "cuda"
-    args.configs = args.configs or ((GLM5_CONFIGS if args.model == "glm5-shaped" else GPU_CONFIGS) if gpu
+    defaults = {"glm5-shaped": GLM5_CONFIGS, "mtp-toy": MTP_CONFIGS}.get(args.model, GPU_CONFIGS)
+    args.configs = args.configs or (defaults if gpu
                                     else ["bfloat16:2"])  # fmt: skip
     from helpers.sglang_gpu_servers import MODELS
 
@@ -490,6 +546,12 @@ def main(argv=None) -> int:
         configs.append((kv, int(cp)))
     if args.at_once < 1:
         p.error(f"--at-once {args.at_once}: expected 1 or more")
+    if not gpu and args.model == "mtp-toy":
+        p.error("--model mtp-toy runs on cuda; on cpu, test/system/test_sglang_server_speculative.py serves it")
+    if MODELS[args.model].speculative and args.layer_split:
+        p.error(
+            "--model mtp-toy with --layer-split: not built (the speculative check compares the flag with replicated CP)"
+        )
     if not gpu and configs != [("bfloat16", 2)]:
         p.error(f"--device cpu runs bfloat16:2 only (the CPU servers' roles), got {' '.join(args.configs)}")
     t0 = args.t0 = time.monotonic()

@@ -4,6 +4,7 @@ on the H200 must compare like with like and put every rank on GPU 0 as its own N
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -37,6 +38,30 @@ def test_layer_split_is_the_replicated_prefill_plus_sglangs_flag(cp):
     roles = GS.roles(cp)
     assert roles["layer_split"][0] == roles["replicated"][0] + ["--enable-dsa-cache-layer-split"], f"{cp=}"
     assert roles["layer_split"][1], "a PD prefill needs its bootstrap port"
+
+
+def test_the_speculative_check_runs_eagle_on_both_prefills_and_the_decode_but_not_the_oracle(tmp_path):
+    """sglang_server_check.py --model mtp-toy: the same roles as the toy's, EAGLE added to the two
+    prefills and the decode, the servers' stand-in plugin told to build the NextN MLP dense, and a
+    checkpoint whose NextN layer is the target's layer 0 (so the draft is accepted)."""
+    from safetensors.torch import load_file
+
+    from helpers import sglang_gpu_servers as GS
+
+    spec = GS.MODELS["mtp-toy"]
+    plain, roles = GS.roles(2, dataclasses.replace(spec, speculative=False)), GS.roles(2, spec)
+    for name in GS.SPEC_ROLES:
+        assert roles[name] == (plain[name][0] + GS.SPEC_ARGS, plain[name][1]), name
+    assert roles["single"] == plain["single"] and "--speculative-algorithm" not in roles["single"][0]
+    cluster = GS.GpuCluster(tmp_path, cp=2, spec=spec)
+    assert cluster.server_env()[GS.SPEC_ENV] == "1"
+    assert GS.SPEC_ENV not in GS.GpuCluster(tmp_path / "toy", cp=2).server_env()
+    sd = load_file(os.path.join(GS.write_model(str(tmp_path / "model"), spec), "model.safetensors"))
+    layers = spec.config["num_hidden_layers"]
+    copied = [k for k in sd if k.startswith("model.layers.0.")]
+    assert copied and all(sd[k].equal(sd[k.replace("model.layers.0.", f"model.layers.{layers}.")]) for k in copied), (
+        "the NextN layer is layer 0's copy"
+    )
 
 
 def _report(tmp_path, port, rank, forwards):

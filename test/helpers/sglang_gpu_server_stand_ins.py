@@ -54,6 +54,23 @@ def _pin_loaded_model(result, runner, *args, **kwargs):
     G.pin_native_modules(runner.model)
 
 
+def _nextn_mlp_dense() -> None:
+    """The speculative checkpoint's NextN layer is a copy of the target's dense layer 0
+    (helpers/sglang_spec_model.py); SGLang's `DeepseekV2DecoderLayer._is_layer_sparse` says MoE for
+    every NextN layer, so its MLP is built dense here, as on CPU (sglang_spec_stand_ins.install)."""
+    from sglang.srt.models.deepseek_v2 import DeepseekV2DecoderLayer
+
+    original = DeepseekV2DecoderLayer._is_layer_sparse
+
+    def _is_layer_sparse(config, layer_id, is_nextn):
+        if is_nextn:
+            _log_first_use(("DeepseekV2DecoderLayer._is_layer_sparse(is_nextn=True)->False", __name__, "call"))
+            return False
+        return original(config, layer_id, is_nextn=is_nextn)
+
+    DeepseekV2DecoderLayer._is_layer_sparse = staticmethod(_is_layer_sparse)
+
+
 def register():
     """Entry point of the test-only `gpu_stand_ins` plugin; runs in every SGLang process."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -62,6 +79,8 @@ def register():
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner.load_model", _pin_loaded_model, HookType.AFTER
     )
+    if os.environ.get("NSA_CP_TEST_SPECULATIVE"):  # sglang_server_check.py --model mtp-toy
+        _nextn_mlp_dense()
     if os.environ.get("NSA_CP_TEST_COUNT_COLLECTIVES"):  # sglang_server_check.py --layer-split counts them
         from helpers import collective_counter
 

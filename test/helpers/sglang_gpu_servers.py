@@ -27,6 +27,13 @@ MODEL = dict(
     rope_scaling=dict(S.MODEL["rope_scaling"], original_max_position_embeddings=CONTEXT_TOKENS),
 )  # fmt: skip
 
+MTP_CONTEXT = 8192
+MTP_MODEL = dict(
+    S.MODEL, architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", num_nextn_predict_layers=1,
+    index_topk=128, max_position_embeddings=MTP_CONTEXT,
+    rope_scaling=dict(S.MODEL["rope_scaling"], original_max_position_embeddings=MTP_CONTEXT),
+)  # fmt: skip
+
 CHUNK_TOKENS = 8192
 PREFILL_TOKENS_PER_RANK = 40960  # every CP prefill's pool per rank (the same KV bytes per rank): < 100k
 BIG_POOL_TOKENS = 140000  # the decode's and the oracle's: they hold a 100k-token prompt
@@ -46,6 +53,7 @@ class ModelSpec:
     big: int
     long_prompt: int
     top_logprobs: int
+    speculative: bool = False  # EAGLE over the checkpoint's NextN layer on both prefills and the decode
 
     @property
     def context(self) -> int:
@@ -66,7 +74,20 @@ MODELS = {
     "glm5-shaped-dense": ModelSpec(
         "glm5-shaped-dense", glm5_shaped.GLM5_SHAPED | {"first_k_dense_replace": 3}, 8192, 40960, 140000, 131072, 5
     ),  # fmt: skip
+    # GLM-5's architecture with its NextN layer built from the target's weights (helpers/sglang_spec_model.py),
+    # served with EAGLE: the CPU speculative test's model with the GPU toy's top-k and a longer context
+    "mtp-toy": ModelSpec("mtp-toy", MTP_MODEL, 1024, 4096, 8192, 0, 0, speculative=True),
 }
+# EAGLE as GLM-5 runs it over PD (top-k 1; SGLang's sharded MTP draft supports no other), the draft's
+# DSA top-k in torch (sgl-kernel's cannot load here), no CUDA graphs (as dsa_args)
+SPEC_STEPS, SPEC_DRAFT_TOKENS = 2, 3
+SPEC_ARGS = [
+    "--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "1",
+    "--speculative-num-steps", str(SPEC_STEPS), "--speculative-num-draft-tokens", str(SPEC_DRAFT_TOKENS),
+    "--speculative-dsa-topk-backend", "torch",
+]  # fmt: skip
+SPEC_ROLES = ("shared", "replicated", "decode")
+SPEC_ENV = "NSA_CP_TEST_SPECULATIVE"  # the servers' stand-in plugin adds the NextN layer's dense MLP
 
 # SGLang's own switches on this machine: multicast off (KINDS.md), the memory-balance check off
 # (the ranks of several servers share one GPU, so their free memory differs by the others' use),
@@ -98,7 +119,7 @@ def roles(cp: int, spec: ModelSpec = MODELS["toy"]) -> dict[str, tuple[list[str]
                "--moe-dense-tp-size", "1", *S.PD_ARGS, "--disaggregation-mode", "prefill",
                "--max-total-tokens", str(spec.per_rank)]  # fmt: skip
     big = ["--max-total-tokens", str(spec.big)]
-    return {
+    table = {
         "shared": (cp_args + ["--enable-nsa-prefill-cp-shared-kv"], True),
         "replicated": (cp_args, True),
         # SGLang's own layer split beside the flag (sglang_server_check.py --layer-split): the same rows per rank
@@ -117,6 +138,9 @@ def roles(cp: int, spec: ModelSpec = MODELS["toy"]) -> dict[str, tuple[list[str]
         ),
         "single": (S.ONE_AT_A_TIME + big, False),
     }
+    if spec.speculative:  # the oracle stays non-speculative
+        table.update({name: (table[name][0] + SPEC_ARGS, table[name][1]) for name in SPEC_ROLES})
+    return table
 
 
 @dataclass
@@ -137,7 +161,7 @@ class GpuCluster(S.Cluster):
         env = S.server_env(S.write_plugin_site(str(self.workdir / "plugin_site"), PLUGIN_ENTRY_POINT))
         for key in CPU_ONLY_ENV:
             env.pop(key, None)
-        return env | GPU_ENV
+        return env | GPU_ENV | ({SPEC_ENV: "1"} if self.spec.speculative else {})
 
     def role(self, name: str) -> tuple[list[str], bool]:
         return roles(self.cp, self.spec)[name]
@@ -153,6 +177,12 @@ class GpuCluster(S.Cluster):
 
 def write_model(path: str, spec: ModelSpec, device: str = "cpu") -> str:
     """`spec`'s checkpoint and tokenizer in `path` (glm5-shaped: its tensors made on `device`)."""
+    if spec.speculative:
+        from helpers import sglang_spec_model
+
+        S.H.write_checkpoint(path, spec.config, 0, tensors=sglang_spec_model.checkpoint)
+        S.write_tokenizer(path, spec.config["vocab_size"])
+        return path
     if spec.name == "toy":
         S.H.write_checkpoint(path, spec.config)
         S.write_tokenizer(path, spec.config["vocab_size"])
