@@ -30,6 +30,7 @@ MODEL = dict(
 MTP_CONTEXT = 8192
 MTP_MODEL = dict(
     S.MODEL, architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", num_nextn_predict_layers=1,
+    hidden_size=512,  # the NextN layer's fused_eh_norm takes hidden sizes in (256, 8192], multiples of 256
     index_topk=128, max_position_embeddings=MTP_CONTEXT,
     rope_scaling=dict(S.MODEL["rope_scaling"], original_max_position_embeddings=MTP_CONTEXT),
 )  # fmt: skip
