@@ -501,6 +501,8 @@ def register():
         from helpers import sglang_spec_stand_ins
 
         sglang_spec_stand_ins.install()
+        if os.environ.get(sglang_spec_stand_ins.DUMP_ENV):
+            sglang_spec_stand_ins.install_dump()
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner.load_model", _patch_loaded_model, HookType.AFTER
     )

@@ -74,3 +74,49 @@ def _build_as_on_cpu(*args, **kwargs):
     from sglang.srt.layers.attention.dsa import dsa_indexer
 
     dsa_indexer._is_cuda = False
+
+
+# ---- a test-only dump of what a speculative decode received ---------------------------------------
+
+DUMP_ENV = "NSA_CP_TEST_DRAFT_KV_DUMP"  # a folder: the decode writes one file per committed request
+# bootstrap rooms (comma-separated) whose received draft KV the decode corrupts after the commit
+CORRUPT_ENV = "NSA_CP_TEST_CORRUPT_DRAFT_ROOMS"
+CORRUPT_VALUE = 64.0
+
+
+def dump_received_draft(result, queue, decode_req, *args, **kwargs):
+    """AFTER the decode's `DecodeTransferQueue._commit_transfer_to_req` (a request's KV and metadata
+    have landed and been accepted): torch.save to $NSA_CP_TEST_DRAFT_KV_DUMP/<bootstrap_room>.pt the
+    draft pool's bytes at the prompt's slots (MLA latent rows, index K and scale, as
+    sglang_draft_harness._draft_kv reads them from the decode's stock `DSATokenToKVPool`) and the
+    draft proposal in the metadata buffer (top-k p and ids, hidden state). Then, for a room named
+    in $NSA_CP_TEST_CORRUPT_DRAFT_ROOMS only, overwrites those draft latent rows with CORRUPT_VALUE:
+    a draft page corrupted in transfer, as the decode would go on with it (the commit checks
+    pages' ids and owners, not their bytes)."""
+    import os
+
+    from helpers import sglang_draft_harness
+
+    from sglang.srt.disaggregation.decode import _is_fake_transfer
+
+    req = decode_req.req
+    draft_pool = queue.scheduler.disagg_decode_prealloc_queue.draft_token_to_kv_pool
+    if req.bootstrap_room is None or _is_fake_transfer(req) or draft_pool is None or req.kv.req_pool_idx is None:
+        return result  # SGLang's own fake transfers (e.g. its health check) carry no KV
+    slots = queue.scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(req.origin_input_ids)].long()
+    buf = queue.metadata_buffers.get_buf(decode_req.metadata_buffer_index)
+    dump = sglang_draft_harness._draft_kv(draft_pool, slots)
+    dump.update(topk_p=buf[9].clone(), topk_index=buf[10].clone(), hidden_states=buf[11].clone(), slots=slots.clone())
+    torch.save(dump, os.path.join(os.environ[DUMP_ENV], f"{req.bootstrap_room}.pt"))
+    if str(req.bootstrap_room) in os.environ.get(CORRUPT_ENV, "").split(","):
+        # what a transfer that wrote wrong bytes leaves: every received draft latent row of the
+        # prompt overwritten (after the dump above, which shows what arrived), before the decode drafts
+        draft_pool.kv_buffer[0][slots] = CORRUPT_VALUE
+    return result
+
+
+def install_dump():
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register("sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
+                          dump_received_draft, HookType.AFTER)  # fmt: skip

@@ -26,11 +26,13 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import concurrent.futures as futures  # noqa: E402
+import random  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import requests  # noqa: E402
+import torch  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from helpers import sglang_servers as S  # noqa: E402
@@ -51,7 +53,11 @@ SPEC_ARGS = [
 SPEC_ROLES = ("shared", "replicated", "decode")
 # SGLang's own counters of a speculative request (meta_info), compared between the two prefills
 SPEC_FIELDS = ("spec_accept_length", "spec_verify_ct", "spec_num_correct_drafts", "spec_correct_drafts_histogram")
-ENV = {sglang_spec_stand_ins.ENV: "1", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "600"}
+# the decode's test-only dump of what it received, and the one room whose draft KV it corrupts
+CORRUPT_ROOM = 4242424242
+ENV = {sglang_spec_stand_ins.ENV: "1", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "600",
+       sglang_spec_stand_ins.CORRUPT_ENV: str(CORRUPT_ROOM)}  # fmt: skip
+DUMPED = ("latent", "index_k", "index_scale", "topk_p", "topk_index", "hidden_states")
 
 
 class SpecCluster(S.Cluster):
@@ -65,6 +71,8 @@ def cluster(tmp_path_factory):
         for key, value in ENV.items():
             patch.setitem(S.SERVER_ENV, key, value)
         workdir = tmp_path_factory.mktemp("sglang_spec_cpu")
+        (workdir / "dump").mkdir()
+        patch.setitem(S.SERVER_ENV, sglang_spec_stand_ins.DUMP_ENV, str(workdir / "dump"))
         extra = {role: SPEC_ARGS for role in SPEC_ROLES}
         with SpecCluster(workdir, router=False, extra_args=extra).running(timeout_s=600) as cluster:
             yield cluster
@@ -73,13 +81,22 @@ def cluster(tmp_path_factory):
 ACCEPT_LENGTHS: list[float] = []  # every PD request's spec_accept_length, for the last test
 
 
+def _pd(cluster, prefill, ids, room):
+    """A PD request through `prefill` and the decode under bootstrap room `room`; the decode's answer."""
+    answer = S.generate_pd(cluster.servers[prefill], cluster.servers["decode"], ids, NEW_TOKENS, timeout_s=600,
+                           bootstrap_room=room)[1]  # fmt: skip
+    if isinstance(answer, Exception):
+        raise answer
+    return dict(answer, room=room)
+
+
 def _paths(cluster, ids):
     """The same greedy request at once through the shared PD, the replicated PD and the oracle;
-    returns each path's whole answer."""
-    decode = cluster.servers["decode"]
+    returns each path's whole answer (a PD path's with its bootstrap room)."""
+    rooms = {path: random.getrandbits(62) for path in ("shared", "replicated")}
     calls = {
-        "shared": lambda: S.generate_pd(cluster.servers["shared"], decode, ids, NEW_TOKENS, timeout_s=600)[1],
-        "replicated": lambda: S.generate_pd(cluster.servers["replicated"], decode, ids, NEW_TOKENS, timeout_s=600)[1],
+        "shared": lambda: _pd(cluster, "shared", ids, rooms["shared"]),
+        "replicated": lambda: _pd(cluster, "replicated", ids, rooms["replicated"]),
         "oracle": lambda: S.generate(cluster.servers["single"].url, ids, NEW_TOKENS, timeout_s=600),
     }
     with futures.ThreadPoolExecutor(len(calls)) as pool:
@@ -96,7 +113,7 @@ def _paths(cluster, ids):
     return out
 
 
-def _assert_paths(where, answers):
+def _assert_paths(cluster, where, answers):
     oracle = answers["oracle"]["output_ids"]
     assert len(oracle) == NEW_TOKENS, where
     assert "spec_verify_ct" not in answers["oracle"]["meta_info"], f"{where}: the oracle ran speculative decoding"
@@ -107,6 +124,21 @@ def _assert_paths(where, answers):
     assert spec["shared"]["spec_verify_ct"], f"{where}: the decode verified no draft: {spec['shared']}"
     assert spec["shared"] == spec["replicated"], f"{where}: speculative counters differ: {spec}"
     ACCEPT_LENGTHS.append(spec["shared"]["spec_accept_length"])
+    got, want = (_received(cluster, answers[path]["room"]) for path in ("shared", "replicated"))
+    prompt = answers["oracle"]["meta_info"]["prompt_tokens"]
+    assert got["slots"].numel() == want["slots"].numel() == prompt, where  # every prompt token's draft row
+    for key in DUMPED:
+        assert got[key].shape == want[key].shape and got[key].any(), f"{where}: draft {key}: nothing received"
+        assert torch.equal(got[key], want[key]), (
+            f"{where}: the decode received another draft {key} from the shared prefill"
+        )
+
+
+def _received(cluster, room):
+    """What the decode's test-only dump holds for `room` (sglang_spec_stand_ins.dump_received_draft)."""
+    path = cluster.workdir / "dump" / f"{room}.pt"
+    assert path.exists(), f"the decode dumped nothing for room {room}\n{cluster.log_tails()}"
+    return torch.load(path)
 
 
 def test_both_prefills_serve_eagle_and_only_the_flag_shards_its_pools(cluster):
@@ -129,16 +161,16 @@ def test_short_and_chunked_prompts_decode_the_oracles_tokens_with_equal_accept_c
     """One prompt within a chunk and one of several chunks (the draft extend of each chunk over the
     draft's history, gathered from the owners under the flag)."""
     for n in (40, 3 * S.CHUNK_TOKENS + 40):
-        _assert_paths(f"prompt of {n} tokens", _paths(cluster, S.prompt_ids(n, seed=n)))
+        _assert_paths(cluster, f"prompt of {n} tokens", _paths(cluster, S.prompt_ids(n, seed=n)))
 
 
 def test_radix_hit_decodes_the_oracles_tokens_with_equal_accept_counts(cluster):
     """A second request over a cached two-page prefix: both prefills extend only the tail, the
     draft over its cached history."""
     prefix = S.prompt_ids(2 * S.PAGE + 5, seed=11)
-    _assert_paths("first request", _paths(cluster, prefix + S.prompt_ids(20, seed=12)))
+    _assert_paths(cluster, "first request", _paths(cluster, prefix + S.prompt_ids(20, seed=12)))
     marks = {name: len(cluster.servers[name].log_text()) for name in ("shared", "replicated")}
-    _assert_paths("second request (cached prefix)", _paths(cluster, prefix + S.prompt_ids(30, seed=13)))
+    _assert_paths(cluster, "second request (cached prefix)", _paths(cluster, prefix + S.prompt_ids(30, seed=13)))
     for name, mark in marks.items():
         hits = [int(h) for h in re.findall(r"#cached-token: (\d+)", cluster.servers[name].log_text(mark))]
         assert hits and max(hits) >= 2 * S.PAGE, f"{name}: no radix hit of >= {2 * S.PAGE} tokens: {hits}"
@@ -151,6 +183,22 @@ def test_the_draft_is_accepted(cluster):
     mean = sum(ACCEPT_LENGTHS) / len(ACCEPT_LENGTHS)
     print(f"mean accept length {mean:.2f} of {SPEC_DRAFT_TOKENS}: {ACCEPT_LENGTHS}")
     assert mean > 1, ACCEPT_LENGTHS
+
+
+def test_a_corrupted_draft_page_is_committed_and_only_the_accept_length_drops(cluster):
+    """The decode's received draft KV overwritten after its commit (the test-only corruption of
+    room CORRUPT_ROOM): the plugin's commit checks which pages arrive from which owner, not their
+    bytes, so nothing refuses the request; the target's verification keeps every token the
+    oracle's, and the draft, reading garbage history, is accepted less."""
+    ids = S.prompt_ids(2 * S.CHUNK_TOKENS + 20, seed=51)
+    oracle = S.generate(cluster.servers["single"].url, ids, NEW_TOKENS, timeout_s=600)["output_ids"]
+    clean = _pd(cluster, "shared", ids, random.getrandbits(62))
+    corrupt = _pd(cluster, "shared", ids, CORRUPT_ROOM)
+    lengths = [a["meta_info"]["spec_accept_length"] for a in (clean, corrupt)]
+    print(f"accept length clean {lengths[0]:.2f}, corrupted draft KV {lengths[1]:.2f}")
+    assert clean["output_ids"] == corrupt["output_ids"] == oracle
+    assert torch.equal(_received(cluster, clean["room"])["latent"], _received(cluster, CORRUPT_ROOM)["latent"])
+    assert lengths[1] < lengths[0], lengths
 
 
 if __name__ == "__main__":
