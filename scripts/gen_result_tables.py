@@ -218,6 +218,26 @@ def toy_server_check(raw: dict) -> str:
     return "\n".join(lines)
 
 
+def mtp_server_check(raw: dict) -> str:
+    """`sglang_server_check.py --model mtp-toy`: per configuration, each case's tokens on the three paths
+    and SGLang's speculative counters, shared against replicated, and the mean accept length."""
+    lines = ["| KV, CP | servers up | case | prompt tokens | tokens: shared / replicated / oracle | "
+             "speculative counters: shared = replicated | accept length | verify steps |",
+             "| --- | ---: | --- | ---: | --- | --- | ---: | ---: |"]  # fmt: skip
+    for c in raw["configs"]:
+        for r in c["requests"]:
+            head = f"{c['kv_cache_dtype']}, {c['cp']} | {c['startup_s']:.1f} s"
+            if r["case"] == "drafts accepted":
+                lines.append(f"| {head} | mean over the cases | | | | {r['mean_accept_length']:.2f} | |")
+                continue
+            same = r["shared"] == r["replicated"] == r["oracle"]
+            spec = r["spec"]["shared"]
+            lines.append(f"| {head} | {r['case']} | {r['tokens']:,} | {'all equal' if same else 'DIFFER'} | "
+                         f"{'yes' if r['spec']['shared'] == r['spec']['replicated'] else 'NO'} | "
+                         f"{spec['spec_accept_length']:.2f} | {spec['spec_verify_ct']} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 # The README's claims and the results file each rests on: (row, claim, file, measured or projected).
 EVIDENCE = (
     ("E1", "GLM-5 layer compute terms at real shapes", "bench_glm5_layer_1xh200.json", "measured, 1 x H200"),
@@ -241,6 +261,9 @@ EVIDENCE = (
      "toy model, bf16 CP 2 and fp8 CP 4", "sglang_server_check_layer_split_1xh200.json", "measured, 1 x H200"),
     ("E11", "--dsa-prefill-backend flashmla_sparse_q8 with the flag: SGLang's JIT kernel built, shared = replicated "
      "bit for bit, CP 2, bf16 and fp8, GLM-5's attention shapes", "q8_gpu_forward_1xh200.log", "measured, 1 x H200"),
+    ("E12", "MTP (EAGLE over GLM-5's NextN layer) live over PD with the flag in real servers: tokens = oracle, SGLang's "
+     "speculative counters = replicated CP, toy model, bf16 and fp8 CP 2", "sglang_server_check_mtp_1xh200.json",
+     "measured, 1 x H200"),
 )  # fmt: skip
 
 
@@ -307,6 +330,11 @@ BLOCKS: dict[str, tuple[str | None, Callable[..., str], str | None]] = {
         "sglang_server_check_1xh200.json",
         toy_server_check,
         "bash scripts/gpu_run.sh server",
+    ),
+    "mtp_server_check": (
+        "sglang_server_check_mtp_1xh200.json",
+        mtp_server_check,
+        "bash scripts/gpu_run.sh server --model mtp-toy",
     ),  # one row per timed file, each with its commit
     "alternatives": (
         "bench_trace_replay.json",

@@ -72,6 +72,15 @@ CLAIMS = {
         "test_sglang_q8_forward.py::test_shared_kv_equals_replicated_cp_under_q8_bit_for_bit",
         "test_sglang_q8_gpu_forward.py::test_shared_kv_equals_replicated_cp_under_q8_bit_for_bit",
     ),
+    "MTP speculative decoding": (
+        "test_sglang_server_speculative.py::test_both_prefills_serve_eagle_and_only_the_flag_shards_its_pools",
+        "test_sglang_server_speculative.py::test_short_and_chunked_prompts_decode_the_oracles_tokens_with_equal_accept_counts",
+        "test_sglang_server_speculative.py::test_radix_hit_decodes_the_oracles_tokens_with_equal_accept_counts",
+        "test_sglang_server_speculative.py::test_the_draft_is_accepted",
+        "test_sglang_server_speculative.py::test_a_corrupted_draft_page_is_committed_and_only_the_accept_length_drops",
+        "test_sglang_speculative_forward.py::test_sharded_equals_replicated_cp_bitwise",
+        "test_sglang_gpu_servers.py::test_the_speculative_check_runs_eagle_on_both_prefills_and_the_decode_but_not_the_oracle",
+    ),
     "plugin scope": (
         "test_sglang_ext.py::test_without_the_flag_sglang_gets_its_own_classes_and_results",
         "test_sglang_server_pd.py::test_only_the_servers_that_ask_run_the_plugins_classes",

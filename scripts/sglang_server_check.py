@@ -113,8 +113,6 @@ def run_requests(cluster, S, page: int, chunk: int, context: int, top_logprobs: 
     return rows
 
 
-# SGLang's own counters of a speculative request (meta_info), equal between the two prefills
-SPEC_FIELDS = ("spec_accept_length", "spec_verify_ct", "spec_num_correct_drafts", "spec_correct_drafts_histogram")
 SPEC_NEW_TOKENS = 12
 
 
@@ -122,6 +120,8 @@ def spec_requests(cluster, S, page: int, chunk: int, say=print) -> list[dict]:
     """`--model mtp-toy` (EAGLE on both prefills and the decode, a non-speculative oracle): for a
     one-chunk prompt, one of three chunks and a radix hit, the three paths' tokens must be the
     oracle's and SGLang's speculative counters equal between the shared and the replicated prefill."""
+    from helpers.sglang_gpu_servers import SPEC_FIELDS
+
     shared = cluster.servers["shared"]
     prefix = S.prompt_ids(2 * page + 5, seed=11)
     cases = [("one chunk", S.prompt_ids(40, seed=40)), (f"chunked ({chunk}-token chunks)", S.prompt_ids(3 * chunk + 40, seed=3)),

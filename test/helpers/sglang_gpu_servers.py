@@ -88,6 +88,8 @@ SPEC_ARGS = [
     "--speculative-dsa-topk-backend", "torch",
 ]  # fmt: skip
 SPEC_ROLES = ("shared", "replicated", "decode")
+# SGLang's own counters of a speculative request (meta_info), equal between the two prefills
+SPEC_FIELDS = ("spec_accept_length", "spec_verify_ct", "spec_num_correct_drafts", "spec_correct_drafts_histogram")
 SPEC_ENV = "NSA_CP_TEST_SPECULATIVE"  # the servers' stand-in plugin adds the NextN layer's dense MLP
 
 # SGLang's own switches on this machine: multicast off (KINDS.md), the memory-balance check off

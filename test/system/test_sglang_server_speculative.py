@@ -10,7 +10,7 @@ accepted often):
 - replicated: PD prefill, CP=2 interleave, no flag, EAGLE (SGLang's replicated CP);
 - decode:     PD decode, CP off, EAGLE, serving both prefills over Mooncake (one request at a time);
 - single:     an ordinary non-PD, non-CP, non-speculative server (the oracle).
-EAGLE: top-k 1, SPEC_STEPS steps, SPEC_DRAFT_TOKENS draft tokens. Each prefill runs the draft
+EAGLE: top-k 1, 2 steps, 3 draft tokens (helpers/sglang_gpu_servers.py SPEC_ARGS, as the GPU check). Each prefill runs the draft
 extend over the prompt and sends the draft's KV pages with the target's and the draft's proposal
 in its metadata; the decode drafts from them. For the same requests, greedy tokens of both PD
 paths must equal the oracle's, and SGLang's own `meta_info` speculative counters
@@ -35,6 +35,7 @@ import requests  # noqa: E402
 import torch  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
+from helpers import sglang_gpu_servers as GS  # noqa: E402
 from helpers import sglang_servers as S  # noqa: E402
 from helpers import sglang_spec_model as M  # noqa: E402
 from helpers import sglang_spec_stand_ins  # noqa: E402
@@ -42,17 +43,9 @@ from helpers import sglang_spec_stand_ins  # noqa: E402
 register_cpu_ci(est_time=480, suite="nsa-cp-test-cpu")
 
 NEW_TOKENS = 12
-SPEC_STEPS, SPEC_DRAFT_TOKENS = 2, 3
-SPEC_ARGS = [
-    "--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "1",
-    "--speculative-num-steps", str(SPEC_STEPS), "--speculative-num-draft-tokens", str(SPEC_DRAFT_TOKENS),
-    # the draft's own DSA top-k backend (SGLang's default is sgl-kernel's) and no CUDA graphs for the
-    # draft worker (SGLang decides that one apart from the target's, which --device cpu turns off)
-    "--speculative-dsa-topk-backend", "torch", "--disable-cuda-graph",
-]  # fmt: skip
-SPEC_ROLES = ("shared", "replicated", "decode")
-# SGLang's own counters of a speculative request (meta_info), compared between the two prefills
-SPEC_FIELDS = ("spec_accept_length", "spec_verify_ct", "spec_num_correct_drafts", "spec_correct_drafts_histogram")
+# EAGLE as the GPU check runs it (top-k 1, the draft's torch top-k), and no CUDA graphs for the draft
+# worker (SGLang decides that one apart from the target's, which --device cpu turns off)
+SPEC_ARGS = GS.SPEC_ARGS + ["--disable-cuda-graph"]
 # the decode's test-only dump of what it received, and the one room whose draft KV it corrupts
 CORRUPT_ROOM = 4242424242
 ENV = {sglang_spec_stand_ins.ENV: "1", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "600",
@@ -73,7 +66,7 @@ def cluster(tmp_path_factory):
         workdir = tmp_path_factory.mktemp("sglang_spec_cpu")
         (workdir / "dump").mkdir()
         patch.setitem(S.SERVER_ENV, sglang_spec_stand_ins.DUMP_ENV, str(workdir / "dump"))
-        extra = {role: SPEC_ARGS for role in SPEC_ROLES}
+        extra = {role: SPEC_ARGS for role in GS.SPEC_ROLES}
         with SpecCluster(workdir, router=False, extra_args=extra).running(timeout_s=600) as cluster:
             yield cluster
 
@@ -119,7 +112,7 @@ def _assert_paths(cluster, where, answers):
     assert "spec_verify_ct" not in answers["oracle"]["meta_info"], f"{where}: the oracle ran speculative decoding"
     for path in ("shared", "replicated"):
         assert answers[path]["output_ids"] == oracle, f"{where}: {path} PD {answers[path]['output_ids']} != {oracle}"
-    spec = {path: {k: answers[path]["meta_info"].get(k) for k in SPEC_FIELDS} for path in ("shared", "replicated")}
+    spec = {path: {k: answers[path]["meta_info"].get(k) for k in GS.SPEC_FIELDS} for path in ("shared", "replicated")}
     print(f"{where}: {oracle} {spec['shared']}")
     assert spec["shared"]["spec_verify_ct"], f"{where}: the decode verified no draft: {spec['shared']}"
     assert spec["shared"] == spec["replicated"], f"{where}: speculative counters differ: {spec}"
@@ -146,10 +139,10 @@ def test_both_prefills_serve_eagle_and_only_the_flag_shards_its_pools(cluster):
     per CP rank (the target's and the MTP draft's, `_build_mtp_kv_shard_pool`), the replicated one
     none; the oracle is not speculative."""
     print(f"servers ready in {cluster.startup_s:.0f} s")
-    for role in SPEC_ROLES:
+    for role in GS.SPEC_ROLES:
         info = cluster.servers[role].info()
         assert info["speculative_algorithm"] == "EAGLE", (role, info["speculative_algorithm"])
-        assert info["speculative_num_steps"] == SPEC_STEPS and info["speculative_eagle_topk"] == 1, role
+        assert info["speculative_num_steps"] == GS.SPEC_STEPS and info["speculative_eagle_topk"] == 1, role
     assert cluster.servers["single"].info()["speculative_algorithm"] is None
     for rank in range(S.CP):
         pools = S.scratch_logs(cluster.servers["shared"], rank)
@@ -181,7 +174,7 @@ def test_the_draft_is_accepted(cluster):
     the equal counters above compare drafts that mattered."""
     assert len(ACCEPT_LENGTHS) == 4, ACCEPT_LENGTHS  # the requests of the tests above, in order
     mean = sum(ACCEPT_LENGTHS) / len(ACCEPT_LENGTHS)
-    print(f"mean accept length {mean:.2f} of {SPEC_DRAFT_TOKENS}: {ACCEPT_LENGTHS}")
+    print(f"mean accept length {mean:.2f} of {GS.SPEC_DRAFT_TOKENS}: {ACCEPT_LENGTHS}")
     assert mean > 1, ACCEPT_LENGTHS
 
 
