@@ -12,6 +12,9 @@ batches without history cast the chunk's own k. On CPU the JIT attention kernel 
 here bit for bit against SGLang's Triton kernels (the interpreter). Shared KV must equal
 replicated CP under the same backend bit for bit, bf16 and fp8 KV; the GPU check is
 test_sglang_q8_gpu_forward.py.
+
+The replicated-CP baseline runs come from helpers/baseline_cache.py: reused from an earlier
+run while everything they depend on is unchanged (docs/testing.md).
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ shared two-page prefix (sglang_model_harness.ROTATED_BATCHES).
   (MLA latent, index K and scale) at every written slot, assembled from the pages each rank owns
   (what the owned-page transfer delivers). Both CP runs must match CP off where SGLang's own CP
   does (see the test).
+
+The baseline runs (CP off, replicated CP) come from helpers/baseline_cache.py: reused from an
+earlier run while everything they depend on is unchanged (docs/testing.md).
 """
 
 from __future__ import annotations

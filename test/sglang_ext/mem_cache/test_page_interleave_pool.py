@@ -13,6 +13,9 @@ at CP 2 (bf16, fp8; DeepSeek-V3.2's and GLM-5's model classes), 3 and 4, and CP 
 replicated CP does (SGLang's own top-k breaks
 ties by position in each rank's packed logits row, docs/sglang_cpu_forward.md); so must SGLang's
 own class with the same poisoned scratch. The subclass's override has a test that fails without it.
+
+The baseline runs (CP off, replicated CP) come from helpers/baseline_cache.py: reused from an
+earlier run while everything they depend on is unchanged (docs/testing.md).
 """
 
 from __future__ import annotations

@@ -34,6 +34,9 @@ request bookkeeping, the node's rotation base, write-back, eviction and load-bac
 `page_first` host layout (layer_first here), and recovery from a failed load: SGLang 0.5.23 has
 none for any pool (the exception reaches the scheduler's event loop, which exits and takes the
 server down), so after (b) no radix state survives to point at the partly loaded pages.
+
+The baseline runs (CP off, replicated CP) come from helpers/baseline_cache.py: reused from an
+earlier run while everything they depend on is unchanged (docs/testing.md).
 """
 
 from __future__ import annotations
