@@ -65,11 +65,28 @@ ORACLE_LOGPROB_ATOL = 0.2
 TOKENS_ONLY = "multi-page, no logprobs"  # the narrow tail gather (a logprob request gathers every row)
 
 
+def run_case(cluster, name: str, ids: list[int], page: int, body, say=print) -> dict:
+    """One case: `body(row, ids)` fills the row; a radix hit must also show >= 2 pages cached on the
+    shared prefill; an exception becomes the case's `error` and the run goes on."""
+    shared = cluster.servers["shared"]
+    row = {"case": name, "tokens": len(ids)}
+    mark, t0 = len(shared.log_text()), time.monotonic()
+    try:
+        body(row, ids)
+        if name == "radix: hit":
+            row["shared_cached_tokens"] = max(_cached_tokens_since(shared, mark), default=0)
+            row["equal"] = row["equal"] and row["shared_cached_tokens"] >= 2 * page
+    except Exception:  # noqa: BLE001 -- a case's failure is recorded and the run goes on
+        row.update(equal=False, error=traceback.format_exc(limit=3))
+    row["seconds"] = round(time.monotonic() - t0, 1)
+    say(f"{name}: {len(ids)} tokens, {'ok' if row.get('equal') else 'DIFFERS'} in {row['seconds']} s")
+    return row
+
+
 def run_requests(cluster, S, page: int, chunk: int, context: int, top_logprobs: int = 0, say=print,
                  vocab: int | None = None) -> list[dict]:  # fmt: skip
     """Each case's tokens on the three paths (with `top_logprobs`, their logprobs compared too);
     an exception becomes the case's `error`. Prompts draw ids from `vocab` (default: the toy's)."""
-    shared = cluster.servers["shared"]
 
     def ids_(n: int, seed: int) -> list[int]:
         return S.prompt_ids(n, seed, vocab)
@@ -87,10 +104,8 @@ def run_requests(cluster, S, page: int, chunk: int, context: int, top_logprobs: 
     ]
     rows = []
     for name, ids in cases:
-        row = {"case": name, "tokens": len(ids)}
-        mark = len(shared.log_text())
-        t0 = time.monotonic()
-        try:
+
+        def body(row, ids, name=name):
             if name == "abort":
                 row.update(_abort(cluster, S, ids, context))
             elif name == TOKENS_ONLY:  # deterministic servers: the same tokens as with logprobs
@@ -102,14 +117,8 @@ def run_requests(cluster, S, page: int, chunk: int, context: int, top_logprobs: 
             else:
                 row.update(S.three_paths(cluster, ids, NEW_TOKENS, timeout_s=300))
                 row["equal"] = row["shared"] == row["replicated"] == row["oracle"] and len(row["oracle"]) > 0
-            if name == "radix: hit":
-                row["shared_cached_tokens"] = max(_cached_tokens_since(shared, mark), default=0)
-                row["equal"] = row["equal"] and row["shared_cached_tokens"] >= 2 * page
-        except Exception:  # noqa: BLE001 -- a case's failure is recorded and the run goes on
-            row.update(equal=False, error=traceback.format_exc(limit=3))
-        row["seconds"] = round(time.monotonic() - t0, 1)
-        say(f"{name}: {len(ids)} tokens, {'ok' if row.get('equal') else 'DIFFERS'} in {row['seconds']} s")
-        rows.append(row)
+
+        rows.append(run_case(cluster, name, ids, page, body, say))
     return rows
 
 
@@ -122,33 +131,21 @@ def spec_requests(cluster, S, page: int, chunk: int, say=print) -> list[dict]:
     oracle's and SGLang's speculative counters equal between the shared and the replicated prefill."""
     from helpers.sglang_gpu_servers import SPEC_FIELDS
 
-    shared = cluster.servers["shared"]
     prefix = S.prompt_ids(2 * page + 5, seed=11)
     cases = [("one chunk", S.prompt_ids(40, seed=40)), (f"chunked ({chunk}-token chunks)", S.prompt_ids(3 * chunk + 40, seed=3)),
              ("radix: first", prefix + S.prompt_ids(20, seed=12)), ("radix: hit", prefix + S.prompt_ids(30, seed=13))]  # fmt: skip
-    rows = []
-    for name, ids in cases:
-        row = {"case": name, "tokens": len(ids)}
-        mark, t0 = len(shared.log_text()), time.monotonic()
-        try:
-            answers = {}
-            row.update(S.three_paths(cluster, ids, SPEC_NEW_TOKENS, timeout_s=300, answers=answers))
-            row["spec"] = {
-                p: {k: answers[p]["meta_info"].get(k) for k in SPEC_FIELDS} for p in ("shared", "replicated")
-            }
-            row["oracle_speculative"] = "spec_verify_ct" in answers["oracle"]["meta_info"]
-            row["equal"] = (row["shared"] == row["replicated"] == row["oracle"] and len(row["oracle"]) == SPEC_NEW_TOKENS
-                            and row["spec"]["shared"] == row["spec"]["replicated"] and bool(row["spec"]["shared"]["spec_verify_ct"])
-                            and not row["oracle_speculative"])  # fmt: skip
-            if name == "radix: hit":
-                row["shared_cached_tokens"] = max(_cached_tokens_since(shared, mark), default=0)
-                row["equal"] = row["equal"] and row["shared_cached_tokens"] >= 2 * page
-        except Exception:  # noqa: BLE001 -- a case's failure is recorded and the run goes on
-            row.update(equal=False, error=traceback.format_exc(limit=3))
-        row["seconds"] = round(time.monotonic() - t0, 1)
-        row["note"] = f"speculative counters, shared prefill: {row.get('spec', {}).get('shared')}"
-        say(f"{name}: {len(ids)} tokens, {'ok' if row.get('equal') else 'DIFFERS'}; {row['note']}")
-        rows.append(row)
+
+    def body(row, ids):
+        answers = {}
+        row.update(S.three_paths(cluster, ids, SPEC_NEW_TOKENS, timeout_s=300, answers=answers))
+        row["spec"] = {p: {k: answers[p]["meta_info"].get(k) for k in SPEC_FIELDS} for p in ("shared", "replicated")}
+        row["oracle_speculative"] = "spec_verify_ct" in answers["oracle"]["meta_info"]
+        row["equal"] = (row["shared"] == row["replicated"] == row["oracle"] and len(row["oracle"]) == SPEC_NEW_TOKENS
+                        and row["spec"]["shared"] == row["spec"]["replicated"] and bool(row["spec"]["shared"]["spec_verify_ct"])
+                        and not row["oracle_speculative"])  # fmt: skip
+        row["note"] = f"speculative counters, shared prefill: {row['spec']['shared']}"
+
+    rows = [run_case(cluster, name, ids, page, body, say) for name, ids in cases]
     # SGLang's accept length counts the verified token: above 1, the equal counters compare drafts that mattered
     accepted = [r["spec"]["shared"]["spec_accept_length"] for r in rows if r.get("spec")]
     mean = sum(accepted) / len(accepted) if accepted else 0.0

@@ -634,6 +634,15 @@ def three_paths(cluster: Cluster, input_ids: list[int], max_new_tokens: int, tim
         "replicated": lambda: generate_pd(replicated, decode, input_ids, max_new_tokens, timeout_s, **extra)[1],
         "oracle": lambda: generate(cluster.servers["single"].url, input_ids, max_new_tokens, timeout_s, **extra),
     }
+    whole = answers_of(cluster, calls, len(input_ids))
+    if answers is not None:
+        answers.update(whole)
+    return {path: answer["output_ids"] for path, answer in whole.items()}
+
+
+def answers_of(cluster: Cluster, calls: dict, prompt_tokens: int) -> dict:
+    """Each path's call at once; returns each path's JSON answer. A path that fails raises
+    AssertionError naming it, with the end of every server's log."""
     with futures.ThreadPoolExecutor(len(calls)) as pool:
         pending = {path: pool.submit(call) for path, call in calls.items()}
         out = {}
@@ -642,12 +651,10 @@ def three_paths(cluster: Cluster, input_ids: list[int], max_new_tokens: int, tim
                 result = answer.result()
                 if isinstance(result, Exception):  # generate_pd hands back the decode's failure
                     raise result
-                out[path] = result["output_ids"]
-                if answers is not None:
-                    answers[path] = result
+                out[path] = result
             except requests.RequestException as e:
                 raise AssertionError(
-                    f"{path} path, prompt of {len(input_ids)} tokens: {e!r}\n{cluster.log_tails()}"
+                    f"{path} path, prompt of {prompt_tokens} tokens: {e!r}\n{cluster.log_tails()}"
                 ) from e
     return out
 

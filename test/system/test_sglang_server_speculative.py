@@ -25,13 +25,11 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import concurrent.futures as futures  # noqa: E402
 import random  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 
 import pytest  # noqa: E402
-import requests  # noqa: E402
 import torch  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
@@ -92,18 +90,7 @@ def _paths(cluster, ids):
         "replicated": lambda: _pd(cluster, "replicated", ids, rooms["replicated"]),
         "oracle": lambda: S.generate(cluster.servers["single"].url, ids, NEW_TOKENS, timeout_s=600),
     }
-    with futures.ThreadPoolExecutor(len(calls)) as pool:
-        pending = {path: pool.submit(call) for path, call in calls.items()}
-        out = {}
-        for path, answer in pending.items():
-            try:
-                result = answer.result()
-                if isinstance(result, Exception):
-                    raise result
-            except requests.RequestException as e:
-                raise AssertionError(f"{path}, prompt of {len(ids)} tokens: {e!r}\n{cluster.log_tails()}") from e
-            out[path] = result
-    return out
+    return S.answers_of(cluster, calls, len(ids))
 
 
 def _assert_paths(cluster, where, answers):
