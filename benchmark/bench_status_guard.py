@@ -179,11 +179,15 @@ def _status_socket(ctx, plugin: bool, limit: int):
         return hooks.limit_status_frames(get_zmq_socket_on_host, ctx, zmq.PULL, host="127.0.0.1")
 
 
-def _receiver_process(conn, plugin: bool, limit: int) -> None:
+def _receiver_process(conn, plugin: bool, limit: int, rcvhwm: int | None = None) -> None:
     """Binds a status socket, says its port, waits for "go", reports VmRSS; then reads every queued message and
     reports (messages, frames, bytes, baseline RSS, RSS while holding, peak RSS while reading) in KiB."""
     import zmq
 
+    from sglang_nsa_cp.sglang_ext.disaggregation.common import conn as hooks
+
+    if rcvhwm is not None:  # the plugin's socket with another queue limit (the one before issue 47: 64)
+        hooks.STATUS_RCVHWM = rcvhwm
     ctx = zmq.Context()
     port, pull = _status_socket(ctx, plugin, limit)
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS from here on
@@ -202,21 +206,22 @@ def _receiver_process(conn, plugin: bool, limit: int) -> None:
     ctx.term()
 
 
-def _send_to_receiver(plugin: bool, limit: int, frames: int, frame: int, most: int) -> dict:
-    """Sends messages of `frames` x `frame` bytes to a fresh receiving process until the socket stops taking
-    them (1 s without room) or `most` went out; returns what the receiver saw."""
+def _send_to_receiver(plugin: bool, limit: int, frames: int, frame: int, most: int, msg=None, rcvhwm=None,
+                      sndhwm: int = 1) -> dict:  # fmt: skip
+    """Sends messages of `frames` x `frame` bytes (or `msg`) to a fresh receiving process until the socket stops
+    taking them (1 s without room) or `most` went out; returns what the receiver saw."""
     import zmq
 
     fork = multiprocessing.get_context("fork")
     mine, theirs = fork.Pipe()
-    child = fork.Process(target=_receiver_process, args=(theirs, plugin, limit), daemon=True)
+    child = fork.Process(target=_receiver_process, args=(theirs, plugin, limit, rcvhwm), daemon=True)
     child.start()
     port = mine.recv()
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.SNDHWM, 1)
+    push.setsockopt(zmq.SNDHWM, sndhwm)
     push.connect(f"tcp://127.0.0.1:{port}")
-    msg = [b"\xff" * frame] * frames
+    msg = msg or [b"\xff" * frame] * frames
     sent = 0
     while sent < most:
         try:
@@ -246,6 +251,24 @@ def queued_per_connection(frames: int, frame: int, limit: int, most: int) -> dic
     """Messages one connection gets queued on a decode that does not read: the plugin's socket (RCVHWM 64) and
     SGLang's (RCVHWM 0), the latter stopped by us at `most`."""
     return {side: _send_to_receiver(side == "plugin", limit, frames, frame, most) for side in ("plugin", "sglang")}
+
+
+def stalled_decode(most: int, limit: int) -> dict:
+    """Genuine statuses a prefill rank gets out to a decode whose decode thread does not read (the review's
+    stall: a decode ~1,000 statuses behind made SGLang's prefill drop one after its 30 s send timeout). The
+    sender is a PUSH socket with SGLang's prefill options (`CommonKVManager._connect`: ZMQ's default SNDHWM of
+    1,000; a send that waits 1 s here stands for its 30 s SNDTIMEO, after which SGLang drops the status); each
+    message a keyed Success of a 64-page room. Receivers: the plugin's socket now, with the 64-message limit it
+    had before, and SGLang's own (stopped by us at `most`)."""
+    from helpers.status_guard_decode import SECRET, NOW, rank_claims, status_message
+
+    from sglang_nsa_cp.sglang_ext.disaggregation.owned_pages import encode_manifest
+
+    msg = status_message(7, 4, 1, b"", encode_manifest(rank_claims(1, 64), 7, 1, SECRET, uses=[NOW]))
+    sides = {"plugin": (True, None), "plugin_before": (True, 64), "sglang": (False, None)}
+    out = {name: _send_to_receiver(plugin, limit, 0, 0, most, msg=msg, rcvhwm=rcvhwm, sndhwm=1000)
+           for name, (plugin, rcvhwm) in sides.items()}  # fmt: skip
+    return dict(message_bytes=sum(map(len, msg)), **out)
 
 
 # ---- 4. the prefill's nonce map ---------------------------------------------------------------------------------
@@ -323,6 +346,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "benchmark" / "results")
     ap.add_argument("--quick", action="store_true", help="fewer repeats, smaller messages: a smoke run")
+    ap.add_argument("--only", choices=["stalled_decode"], help="run this part alone; update it in the results file")
     args = ap.parse_args()
     logging.getLogger("sglang_nsa_cp.sglang_ext.disaggregation.status_guard").setLevel(logging.ERROR)
     quick = args.quick
@@ -334,11 +358,20 @@ def main() -> None:
     from helpers.status_guard_decode import AuxBuffers
 
     limit = _frame_limit(AuxBuffers().kv_args)
+    stall_most = 20_000 if quick else 100_000
+    if args.only:
+        path = args.out / "bench_status_guard.json"
+        result = json.loads(path.read_text())
+        result["stalled_decode"] = stalled_decode(stall_most, limit) | {"machine": machine(), "most": stall_most}
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result["stalled_decode"], indent=2))
+        return
     started = time.monotonic()
     result = dict(machine=machine(), params=params, quick=quick, status_frame_limit_bytes=limit)
     # the processes fork before any zmq context or decode thread of this process exists
     result["one_large_message"] = one_large_message(params["large_frames"], MIB, limit)
     result["queued_per_connection"] = queued_per_connection(params["queue_frames"], MIB, limit, params["queue_most"])
+    result["stalled_decode"] = stalled_decode(stall_most, limit)
     result["drop_cost"] = drop_cost(params["drop_repeats"])
     result["commit_latency"] = {
         "alone": commit_latency(params["commit_trials"], 0, before_fix=False),

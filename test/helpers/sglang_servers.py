@@ -398,7 +398,8 @@ def logical_capacity(server: "Server") -> int:
 def classes_built(server: "Server") -> set[tuple[str, str]]:
     """(KV manager class, KV pool class) each of the server's PD schedulers built, as the test-only
     stand-in plugin reports them (`sglang_cpu_stand_ins.report_classes`)."""
-    line = re.escape(sglang_cpu_stand_ins.CLASSES_LINE) + r"manager=(\S+) pool=(\S+)"
+    # class names only: two CP ranks write one log, and a line can run into the next one's timestamp
+    line = re.escape(sglang_cpu_stand_ins.CLASSES_LINE) + r"manager=([\w.]+) pool=([\w.]+)"
     return set(re.findall(line, server.log_text()))
 
 

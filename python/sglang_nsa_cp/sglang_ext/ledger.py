@@ -190,8 +190,8 @@ LEDGER: tuple[PatchPoint, ...] = (
                           *_names(f"{_COMMON}.PrefillServerInfo", _PREFILL_INFO_NAMES),
                           *_names(f"{_COMMON}.DeferredAbortAckState", "generation"))),
     PatchPoint(f"{_COMMON}.get_zmq_socket_on_host", "AROUND", "disaggregation.common.conn:limit_status_frames",
-               "1528319d6891:702d2a64029e", "a decode manager's status socket gets ZMQ_MAXMSGSIZE and a 64-message ZMQ_RCVHWM before it "
-               "binds", _SHARDED_PD),
+               "1528319d6891:702d2a64029e", "a decode manager's status socket gets ZMQ_MAXMSGSIZE and a 65,536-message ZMQ_RCVHWM before "
+               "it binds", _SHARDED_PD),
     # disaggregation/decode.py
     PatchPoint(f"{_S}disaggregation.decode.DecodePreallocQueue._alloc_for_decode_prealloc", "AROUND",
                "disaggregation.decode:allocate_grouped_by_owner", "3543d1920c47:c2fcc2927ba4",

@@ -771,9 +771,13 @@ def test_a_fault_in_the_guard_is_surfaced_and_the_message_handled_as_sglang_woul
         decode.close()
 
 
-def test_the_status_socket_queues_few_messages_per_connection():
-    """Finding 3: SGLang's status socket queues without limit (its RCVHWM is 0). Built through the
-    hook it queues STATUS_RCVHWM whole messages per connection; a sender past that waits."""
+def test_a_stalled_decode_takes_a_prefills_statuses_without_making_it_wait():
+    """Finding 3 of issue 41 bounded the queue of one connection on SGLang's status socket (its
+    RCVHWM is 0) to 64 messages; issue 47 measured what that costs: a prefill rank (SGLang's PUSH
+    socket: SNDHWM 1,000, its 30 s send timeout, then the status is dropped) got only 8,500 keyed
+    Successes out to a decode that had stopped reading. Built through the hook the socket now
+    queues STATUS_RCVHWM (65,536) whole messages per connection: a decode 20,000 statuses behind
+    still takes every one at once, and a sender past the limit still waits."""
     import zmq
     from sglang.srt.utils.network import get_zmq_socket_on_host
 
@@ -783,19 +787,18 @@ def test_the_status_socket_queues_few_messages_per_connection():
     with hooks.limited_status_frames(4096):
         port, pull = hooks.limit_status_frames(get_zmq_socket_on_host, ctx, zmq.PULL, host="127.0.0.1")
     _, sglangs = hooks.limit_status_frames(get_zmq_socket_on_host, ctx, zmq.PULL, host="127.0.0.1")
-    assert pull.getsockopt(zmq.RCVHWM) == hooks.STATUS_RCVHWM and sglangs.getsockopt(zmq.RCVHWM) == 0
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.SNDHWM, 1)
+    assert pull.getsockopt(zmq.RCVHWM) == hooks.STATUS_RCVHWM == 1 << 16 and sglangs.getsockopt(zmq.RCVHWM) == 0
+    push = ctx.socket(zmq.PUSH)  # SGLang's prefill status socket keeps ZMQ's default SNDHWM of 1,000
     push.connect(f"tcp://127.0.0.1:{port}")
-    sent = 0
-    while sent < 50_000:  # nobody reads: the sender must come to a stop (after the TCP buffers fill)
+    msg, sent, most = success_message(1), 0, 200_000
+    while sent < most:  # nobody reads: the sender must come to a stop (after the TCP buffers fill)
         try:
-            push.send_multipart([b"7", b"4", b"0", b"x" * 1024], flags=zmq.NOBLOCK)
+            push.send_multipart(msg, flags=zmq.NOBLOCK)
             sent += 1
         except zmq.Again:
-            if push.poll(500, zmq.POLLOUT) == 0:
+            if push.poll(1000, zmq.POLLOUT) == 0:
                 break
-    assert sent < 50_000, f"{sent} messages of 1 KiB queued with nobody reading"
+    assert 20_000 <= sent < most, f"{sent} keyed Successes out to a decode that does not read"
     got = 0
     while pull.poll(200):
         pull.recv_multipart()

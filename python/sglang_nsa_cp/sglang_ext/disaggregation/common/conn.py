@@ -1,4 +1,4 @@
-"""The decode's status socket with a frame-size limit and a short receive queue. Mirrors
+"""The decode's status socket with a frame-size limit and a bounded receive queue. Mirrors
 `sglang/srt/disaggregation/common/conn.py`.
 
 Target: `get_zmq_socket_on_host` (AROUND), as `CommonKVManager.__init__` calls it to bind the
@@ -8,8 +8,11 @@ gets, after it is created and before it binds (libzmq copies options to a listen
 so setting them later does nothing):
 - ZMQ_MAXMSGSIZE: a larger frame closes the connection that sent it before anyone parses it;
 - ZMQ_RCVHWM = STATUS_RCVHWM instead of SGLang's 0 (unlimited): each connection queues at most
-  that many whole messages here; a sender past it waits (SGLang's PUSH sockets have no send
-  limit, so a genuine prefill's statuses queue on its own side, none is lost).
+  that many whole messages here; a sender past it waits. A prefill's status socket (SGLang's
+  PUSH, ZMQ's default SNDHWM of 1,000) drops a status after waiting 30 s, so the limit is set
+  far above what a genuine decode falls behind by: with 64 a prefill rank got only 8,500 keyed
+  Successes out to a decode that stopped reading (`benchmark/bench_status_guard.py`, "stalled
+  decode"), with 65,536 it got 36,500 out (ZMQ's effective limit is below the set one).
 What neither bounds: the frames of one message (ZMQ has no such limit), so one message is
 received whole, at up to MAXMSGSIZE a frame, before the guard sees it (docs/disagg.md, "Size
 limits"). Every other call passes through.
@@ -22,7 +25,7 @@ from contextlib import contextmanager
 
 import zmq
 
-STATUS_RCVHWM = 64  # whole messages queued per connection on the decode's status socket
+STATUS_RCVHWM = 1 << 16  # whole messages queued per connection on the decode's status socket
 _STATUS_FRAME_LIMIT = threading.local()  # MAXMSGSIZE for the status socket SGLang is creating
 
 
