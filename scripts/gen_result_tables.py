@@ -89,27 +89,93 @@ def glm5_layer(raw: dict) -> str:
     return "\n".join([head, *rows, "", *fits, "", note])
 
 
-def trace_replay_arms(raw: dict) -> str:
-    """Every arm at CP/DP 8, fp8, HiCache off, cache-aware routing: capacity, hits on 1/2/4 nodes,
-    KV bytes of the reference forward."""
-    ref = raw["reference_forward"]
-    rows = [r for r in raw["rows"] if r["width"] == 8 and r["kv_dtype"] == "fp8" and not r["hicache"]
+def _w8_rows(raw: dict) -> list[dict]:
+    """The trace replay's rows at CP/DP 8, fp8, cache-aware routing (or none needed), C = 1."""
+    return [r for r in raw["rows"] if r["width"] == 8 and r["kv_dtype"] == "fp8"
             and r["routing"] in ("-", "cache_aware") and r.get("scratch_contexts") in (None, 1)]  # fmt: skip
-    arms = list(dict.fromkeys((r["path"], r["dp_dispatch"]) for r in rows))
+
+
+def _arms(rows: list[dict]) -> list[tuple[tuple, dict[int, dict]]]:
+    """((path, dispatch, hicache), {nodes: row}) in the replay's order."""
+    keys = list(dict.fromkeys((r["path"], r["dp_dispatch"], r["hicache"]) for r in rows))
+    return [(k, {r["nodes"]: r for r in rows if (r["path"], r["dp_dispatch"], r["hicache"]) == k}) for k in keys]
+
+
+def _capacity(r: dict) -> str:
+    device = (f"{r['capacity_tokens_per_node']:,}" if r["radix_caches"] == r["nodes"]
+              else f"{r['radix_caches'] // r['nodes']} x {r['pool_tokens']:,}")  # fmt: skip
+    if not r["hicache"]:
+        return device
+    per = r["radix_caches"] // r["nodes"]
+    host = f"{r['host_tokens_per_pool']:,}" if per == 1 else f"{per} x {r['host_tokens_per_pool']:,}"
+    return f"{device} + host {host}"
+
+
+def _s(v: float | None) -> str:
+    return "-" if v is None else f"{v:,.2f}" if v < 100 else f"{v:,.0f}"
+
+
+def _ttft(r: dict | None, q: int, ranges: bool) -> str:
+    if r is None or r[f"ttft_p{q}_s"] is None:
+        return "-"
+    mid = _s(r[f"ttft_p{q}_s"])
+    return f"{mid} ({_s(r[f'ttft_p{q}_s_low'])}-{_s(r[f'ttft_p{q}_s_high'])})" if ranges else mid
+
+
+def _arm_name(path: str, dispatch: str) -> str:
+    return path + (f" ({dispatch})" if dispatch != "-" else "")
+
+
+def trace_replay_arms(raw: dict) -> str:
+    """Every arm at CP/DP 8, fp8, cache-aware routing, with and without HiCache: capacity, hits on
+    1/2/4 nodes (of them from the host tier), KV bytes of the reference forward, and TTFT p50 and
+    p90 of the trace's requests queued on their nodes, mid (low-high) of the cost model's range."""
+    ref, rows = raw["reference_forward"], _w8_rows(raw)
     nodes = sorted({r["nodes"] for r in rows})
-    head = ("| arm | capacity per node (tokens) | " + " | ".join(f"hits, {k} node{'s' * (k > 1)}" for k in nodes)
-            + f" | KV moved per forward ({ref['new']:,} new after {ref['history']:,}), busiest rank |\n"
-            + "| --- | ---: | " + " | ".join("---:" for _ in nodes) + " | ---: |")  # fmt: skip
+    k = " / ".join(map(str, nodes))
+    head = (f"| arm | HiCache | capacity per node (tokens) | hits, {k} nodes | of them from host | KV moved per "
+            f"forward ({ref['new']:,} new after {ref['history']:,}), busiest rank | "
+            + " | ".join(f"TTFT p50; p90 s, {n} node{'s' * (n > 1)}" for n in nodes) + " |\n"
+            + "| --- | --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in nodes) + " |")  # fmt: skip
     lines = [head]
-    for path, dispatch in arms:
-        mine = {r["nodes"]: r for r in rows if (r["path"], r["dp_dispatch"]) == (path, dispatch)}
+    for (path, dispatch, hicache), mine in _arms(rows):
         one = next(iter(mine.values()))
-        per_node = f"{one['capacity_tokens_per_node']:,}" if one["radix_caches"] == one["nodes"] else \
-            f"{one['radix_caches'] // one['nodes']} x {one['pool_tokens']:,}"  # fmt: skip
-        hits = " | ".join(f"{100 * mine[k]['prefix_hit_fraction']:.1f} %" if k in mine else "-" for k in nodes)
-        name = path + (f" ({dispatch})" if dispatch != "-" else "")
-        lines.append(f"| {name} | {per_node} | {hits} | {one['kv_bytes_per_forward'] / 1e9:,.2f} GB |")
-    return "\n".join(lines)
+        hits = " / ".join(f"{100 * mine[n]['prefix_hit_fraction']:.1f}" if n in mine else "-" for n in nodes)
+        host = " / ".join(f"{100 * mine[n]['host_hit_fraction']:.1f}" if n in mine else "-" for n in nodes)
+        ttft = " | ".join(f"{_ttft(mine.get(n), 50, True)}; {_ttft(mine.get(n), 90, True)}" for n in nodes)
+        lines.append(f"| {_arm_name(path, dispatch)} | {'on' if hicache else 'off'} | {_capacity(one)} | {hits} % | "
+                     f"{host + ' %' if hicache else '-'} | {one['kv_bytes_per_forward'] / 1e9:,.2f} GB | {ttft} |")  # fmt: skip
+    return "\n".join(lines) + "\n\n" + _ttft_note(raw)
+
+
+def _ttft_note(raw: dict) -> str:
+    if all(r["ttft_p50_s"] is None for r in raw["rows"]):
+        return f"TTFT: not projected in this run ({raw['ttft']})."
+    terms = raw.get("layer_terms") or {}
+    return ("TTFT: every request of the trace at its own timestamp, queued on its node (chunked prefill, FIFO), "
+            "each step's time from the GLM-5 layer terms measured on one H200 (commit "
+            f"{str(terms.get('commit', '?'))[:10]}) and the bytes each arm moves at assumed NVLink bus bandwidths: "
+            "a PROJECTION, mid (low-high) of the cost model's range; capacity and hits are SGLang's sizing and "
+            "radix cache replayed on CPU.")  # fmt: skip
+
+
+def trace_replay_summary(raw: dict) -> str:
+    """README's table: trace_replay_arms without the ranges and the host split."""
+    ref, rows = raw["reference_forward"], _w8_rows(raw)
+    nodes = sorted({r["nodes"] for r in rows})
+    k = " / ".join(map(str, nodes))
+    head = (f"| arm | HiCache | capacity per node (tokens) | hits, {k} nodes | KV per forward ({ref['new'] // 1024}k "
+            f"new after {ref['history'] // 1024}k) | TTFT p50, {k} nodes (s) | TTFT p90, {k} nodes (s) |\n"
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: |")  # fmt: skip
+    lines = [head]
+    for (path, dispatch, hicache), mine in _arms(rows):
+        one = next(iter(mine.values()))
+        hits = " / ".join(f"{100 * mine[n]['prefix_hit_fraction']:.1f}" if n in mine else "-" for n in nodes)
+        p50, p90 = (" / ".join(_ttft(mine.get(n), q, False) for n in nodes) for q in (50, 90))
+        lines.append(f"| {_arm_name(path, dispatch)} | {'on' if hicache else 'off'} | {_capacity(one)} | {hits} % | "
+                     f"{one['kv_bytes_per_forward'] / 1e9:,.2f} GB | {p50} | {p90} |")  # fmt: skip
+    note = _ttft_note(raw).replace("mid (low-high)", "mid")
+    return "\n".join(lines) + "\n\n" + note.replace("range;", "range (docs/trace_replay.md gives low-high);")
 
 
 def ttft_projection(raw: dict) -> str:
@@ -131,46 +197,57 @@ def ttft_projection(raw: dict) -> str:
 
 
 def alternatives(raw: dict) -> str:
-    """One sentence per alternative at W = 8, fp8, HiCache off, cache-aware routing: capacity and
-    hits from the trace replay (`raw`), KV bytes per forward, and the projected TTFT of one request
-    alone (bench_ttft_projection.json) for a cold 32k / 128k prompt and a 128k prompt cached but 8k."""
-    ttft = load("bench_ttft_projection.json")
-    rows = [r for r in raw["rows"] if r["width"] == 8 and r["kv_dtype"] == "fp8" and not r["hicache"]
-            and r["routing"] in ("-", "cache_aware") and r.get("scratch_contexts") in (None, 1)]  # fmt: skip
-
-    def arm(path, dispatch="-"):
-        mine = {r["nodes"]: r for r in rows if (r["path"], r["dp_dispatch"]) == (path, dispatch)}
-        return mine, next(iter(mine.values()))
+    """One sentence per alternative at W = 8, fp8, cache-aware routing: capacity (SGLang's sizing),
+    hits replayed on 1/2/4 nodes, KV bytes per forward (traffic.py's formulas), and TTFT p50 / p90
+    over the trace on the most nodes, projected, without and with HiCache, against the flag's in
+    each of the cost model's cases (low, mid, high)."""
+    rows = _w8_rows(raw)
+    arms = dict(_arms(rows))
+    most = max(r["nodes"] for r in rows)
+    flag = arms[("shared", "-", False)]
+    f1 = next(iter(flag.values()))
+    nodes = "/".join(str(k) for k in sorted(flag))
+    ttft_run = any(r["ttft_p50_s"] is not None for r in rows)
 
     def hits(mine):
         return "/".join(f"{100 * mine[k]['prefix_hit_fraction']:.1f}" for k in sorted(mine)) + " %"
 
-    def t(path, prompt, cached):
-        r = next(r for r in ttft["rows"] if r["path"] == path and r["prompt"] == prompt and (r["cached"] > 0) == cached
-                 and (r["width"] == 8 or path == "tp"))  # fmt: skip
-        return "refused" if r["refused"] else f"{r['ttft_s']:.2f} s"
+    def ttft(r):
+        return f"p50 {_ttft(r, 50, True)} s, p90 {_ttft(r, 90, False)} s" if ttft_run else "not projected"
 
-    def times(path):
-        return f"{t(path, 32768, False)} / {t(path, 131072, False)} / {t(path, 131072, True)}"
+    def versus(r, f):
+        """Where the flag's TTFT p50 is lower than r's, in the cost model's cases."""
+        if not ttft_run:
+            return ""
+        lower = [c for c in ("low", "mid", "high") if f["ttft_p50_s" + ("" if c == "mid" else f"_{c}")]
+                 < r["ttft_p50_s" + ("" if c == "mid" else f"_{c}")]]  # fmt: skip
+        return ("; the flag's p50 is lower in every case" if len(lower) == 3 else
+                "; the flag's p50 is lower in no case" if not lower else
+                f"; the flag's p50 is lower only in the {', '.join(lower)} case(s)")  # fmt: skip
 
-    nodes = "/".join(str(k) for k in sorted(arm("shared")[0]))
-    flag, f1 = arm("shared")
+    on = arms.get(("shared", "-", True))
     lines = [
-        f"Hits on {nodes} nodes; projected TTFT of one request alone: cold 32k / cold 128k / 128k with all but "
-        f"8k cached. The flag: {f1['capacity_tokens_per_node']:,} tokens a node, hits {hits(flag)}, "
-        f"{f1['kv_bytes_per_forward'] / 1e9:.2f} GB of KV moved per forward by the busiest rank, TTFT {times('shared')}.",
+        f"Capacity by SGLang's sizing, hits replayed on {nodes} nodes, KV per forward by the formulas the CPU "
+        f"servers count; TTFT over the trace on {most} nodes, projected, mid (low-high). The flag: "
+        f"{f1['capacity_tokens_per_node']:,} tokens a node, hits {hits(flag)}, "
+        f"{f1['kv_bytes_per_forward'] / 1e9:.2f} GB of KV moved per forward by the busiest rank, TTFT "
+        f"{ttft(flag[most])}" + (f"; with HiCache hits {hits(on)}, TTFT {ttft(on[most])}." if on else "."),
     ]
     for path, dispatch, name in (("layer_split", "-", "SGLang's layer split"),
                                  ("dp_attention", "dp_aware", "DP attention, router --dp-aware"),
                                  ("dp_attention", "bootstrap_room", "DP attention, SGLang's default dispatch"),
                                  ("tp", "-", "plain --tp 8"), ("replicated", "-", "replicated CP")):  # fmt: skip
-        mine, one = arm(path, dispatch)
-        cap = (f"{one['capacity_tokens_per_node']:,}" if one["radix_caches"] == one["nodes"]
-               else f"{one['radix_caches'] // one['nodes']} x {one['pool_tokens']:,}")  # fmt: skip
+        mine = arms[(path, dispatch, False)]
+        one = next(iter(mine.values()))
         ratio = f1["capacity_tokens_per_node"] / one["capacity_tokens_per_node"]
-        lines.append(f"- {name}: {cap} tokens a node ({ratio:.2f} x less than the flag), hits {hits(mine)}, "
-                     f"{one['kv_bytes_per_forward'] / 1e9:.2f} GB of KV per forward, TTFT {times(path)}.")  # fmt: skip
-    return "\n".join([*lines, "", "TTFT: " + source_line("bench_ttft_projection.json", ttft)])
+        line = (f"- {name}: {_capacity(one)} tokens a node ({ratio:.2f} x less than the flag), hits {hits(mine)}, "
+                f"{one['kv_bytes_per_forward'] / 1e9:.2f} GB of KV per forward, TTFT {ttft(mine[most])}"
+                f"{versus(mine[most], flag[most])}")  # fmt: skip
+        hc = arms.get((path, dispatch, True))
+        if hc and on:
+            line += f"; with HiCache hits {hits(hc)}, TTFT {ttft(hc[most])}{versus(hc[most], on[most])}"
+        lines.append(line + ".")
+    return "\n".join(lines)
 
 
 def scratch(raw: dict) -> str:
@@ -241,8 +318,8 @@ def mtp_server_check(raw: dict) -> str:
 # The README's claims and the results file each rests on: (row, claim, file, measured or projected).
 EVIDENCE = (
     ("E1", "GLM-5 layer compute terms at real shapes", "bench_glm5_layer_1xh200.json", "measured, 1 x H200"),
-    ("E2", "capacity, hits and KV per forward of every arm", "bench_trace_replay.json",
-     "replayed on CPU (SGLang's sizing, the Mooncake trace)"),
+    ("E2", "capacity, hits and KV per forward of every arm; TTFT p50/p90 over the trace", "bench_trace_replay.json",
+     "replayed on CPU (SGLang's sizing, the Mooncake trace); TTFT projected from E1 and NVLink bus bandwidths"),
     ("E3", "prefill TTFT of every arm on 8 x H200", "bench_ttft_projection.json",
      "projected from E1 and NVLink bus bandwidths"),
     ("E4", "SGLang's forward: shared = replicated bit for bit, CP 2 and 4, bf16 and fp8", "gpu_suite_1xh200.log",
@@ -323,9 +400,10 @@ BLOCKS: dict[str, tuple[str | None, Callable[..., str], str | None]] = {
         "bash scripts/gpu_run.sh layer (on 1 x H200), then copy $OUT/bench_glm5_layer_1xh200.json to benchmark/results/",
     ),
     "trace_replay_arms": ("bench_trace_replay.json", trace_replay_arms, "python benchmark/bench_trace_replay.py"),
+    "trace_replay_summary": ("bench_trace_replay.json", trace_replay_summary, "python benchmark/bench_trace_replay.py"),
     "evidence": (None, evidence, None),  # many files: each row names its own
     "scratch": ("bench_scratch_bytes.json", scratch, "python benchmark/bench_scratch_bytes.py"),
-    "cpu_test_times": (None, cpu_test_times, None),
+    "cpu_test_times": (None, cpu_test_times, None),  # one row per timed file, each with its commit
     "toy_server_check": (
         "sglang_server_check_1xh200.json",
         toy_server_check,
@@ -335,11 +413,11 @@ BLOCKS: dict[str, tuple[str | None, Callable[..., str], str | None]] = {
         "sglang_server_check_mtp_1xh200.json",
         mtp_server_check,
         "bash scripts/gpu_run.sh server --model mtp-toy",
-    ),  # one row per timed file, each with its commit
+    ),
     "alternatives": (
         "bench_trace_replay.json",
         alternatives,
-        "python benchmark/bench_trace_replay.py; python benchmark/bench_ttft_projection.py",
+        "python benchmark/bench_trace_replay.py",
     ),
     "ttft_projection": (
         "bench_ttft_projection.json",
