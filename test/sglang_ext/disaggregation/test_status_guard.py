@@ -492,23 +492,41 @@ def test_only_the_prefill_ranks_a_room_targeted_count_toward_its_commit(secret):
         decode.close()
 
 
+def drop_then_time_out(mgr, make_messages, what: str):
+    """A receiver of ROOM on `mgr` (no prefill to notify); `make_messages()` (made once the
+    receiver holds the room's use nonce) pushed through the decode
+    thread until the guard dropped them all; then the room's wait timed out. Returns the receiver
+    (still registered: `clear()` it), the drop reasons the guard logged and the room's status
+    before the timeout."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    receiver = make_receiver(mgr)
+    receiver.abort_notified = True  # no prefill to notify
+    messages = make_messages()
+    decode = DecodeThread(mgr)
+    try:
+        decode.push(messages)
+        wait_for(lambda: mgr.dropped_messages.count == len(messages), what)
+    finally:
+        decode.close()
+    reasons = [reason for _, reason in mgr.dropped_messages.recent]
+    before = mgr.request_status.get(ROOM)
+    mgr.waiting_timeout = 0
+    assert receiver._check_waiting_timeout() == KVPoll.Failed
+    return receiver, reasons, before
+
+
 def test_a_timeout_names_what_the_guard_dropped_for_the_room():
     """Finding 5: the secret on the decode only ended in a timeout whose reason said the prefill
     ranks sent nothing, though both did; the variable appeared only in the rate-limited drop log.
     The timeout's reason now carries the room's last dropped message, which names it."""
-    from sglang.srt.disaggregation.base.conn import KVPoll
 
     mgr = idle_manager(secret=SECRET)
-    receiver = make_receiver(mgr)
-    receiver.abort_notified = True  # no prefill to notify
-    decode = DecodeThread(mgr)
-    try:
-        decode.push([success_message(0, secret=None, use=mgr.room_nonces[ROOM]), success_message(1, secret=None, use=mgr.room_nonces[ROOM])])  # fmt: skip
-        wait_for(lambda: mgr.dropped_messages.count == 2, "both unkeyed Successes dropped")
-    finally:
-        decode.close()
-    mgr.waiting_timeout = 0
-    assert receiver._check_waiting_timeout() == KVPoll.Failed
+    receiver, _, _ = drop_then_time_out(
+        mgr,
+        lambda: [success_message(rank, secret=None, use=mgr.room_nonces[ROOM]) for rank in (0, 1)],
+        "both unkeyed Successes dropped",
+    )
     reason = mgr.failure_records[ROOM]
     assert "no accepted transfer status from prefill rank(s) [0, 1]" in reason, reason
     assert "the last message dropped for this room: a status claiming room 7 from prefill rank 1" in reason, reason
@@ -524,16 +542,8 @@ def test_a_keyed_room_fed_no_manifests_names_the_secret_when_it_times_out():
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     mgr = idle_manager(secret=SECRET)
-    receiver = make_receiver(mgr)
-    receiver.abort_notified = True  # no prefill to notify
-    decode = DecodeThread(mgr)
-    try:
-        decode.push([status_message(ROOM, KVPoll.Success, rank, b"") for rank in (0, 1)])
-        wait_for(lambda: mgr.dropped_messages.count == 2, "both manifest-less Successes dropped")
-    finally:
-        decode.close()
-    mgr.waiting_timeout = 0
-    assert receiver._check_waiting_timeout() == KVPoll.Failed
+    messages = [status_message(ROOM, KVPoll.Success, rank, b"") for rank in (0, 1)]
+    receiver, _, _ = drop_then_time_out(mgr, lambda: messages, "both manifest-less Successes dropped")
     reason = mgr.failure_records[ROOM]
     assert "a Success without an owned-page manifest" in reason and "SGLANG_NSA_CP_PD_SECRET" in reason, reason
     receiver.clear()
@@ -552,27 +562,17 @@ def test_a_status_answering_no_use_is_reported_as_a_missing_nonce_not_a_replay()
     from sglang_nsa_cp.sglang_ext.disaggregation.status_guard import sign_status
 
     mgr = idle_manager(secret=SECRET)
-    receiver = make_receiver(mgr)
-    receiver.abort_notified = True  # no prefill to notify
     said = b"owned-page transfer of room 7: no use nonce held for decode 127.0.0.1:17001"
     failed = status_message(ROOM, KVPoll.Failed, 1, said)
     messages = [
         status_message(ROOM, KVPoll.Success, 0, b"", encode_manifest(rank_claims(0), ROOM, 0, SECRET, uses=[])),
         failed + [sign_status(SECRET, ROOM, 1, KVPoll.Failed, said, [])],
     ]
-    decode = DecodeThread(mgr)
-    try:
-        decode.push(messages)
-        wait_for(lambda: mgr.dropped_messages.count == 2, "both statuses of no use dropped")
-    finally:
-        decode.close()
-    reasons = [reason for _, reason in mgr.dropped_messages.recent]
+    receiver, reasons, before = drop_then_time_out(mgr, lambda: messages, "both statuses of no use dropped")
     assert not any("replay" in r for r in reasons), reasons
     assert "a manifest of room 7 that answers no use of the room: the prefill rank held no use nonce" in reasons[0]
     assert "a Failed status of room 7 signed for no use of the room" in reasons[1] and said.decode() in reasons[1]
-    assert mgr.request_status[ROOM] not in (KVPoll.Success, KVPoll.Failed)  # neither counted
-    mgr.waiting_timeout = 0
-    assert receiver._check_waiting_timeout() == KVPoll.Failed
+    assert before not in (KVPoll.Success, KVPoll.Failed)  # neither counted
     assert "no use nonce held for decode 127.0.0.1:17001" in mgr.failure_records[ROOM], mgr.failure_records[ROOM]
     receiver.clear()
 
@@ -585,17 +585,9 @@ def test_a_peers_text_never_reaches_a_timed_out_rooms_reason():
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     mgr = idle_manager(secret=SECRET)
-    receiver = make_receiver(mgr)
-    receiver.abort_notified = True  # no prefill to notify
     text = b"CALL-555-0100-FOR-SUPPORT"
-    decode = DecodeThread(mgr)
-    try:
-        decode.push([status_message(ROOM, KVPoll.Failed, 1, b"", text), [b"%d" % ROOM, b"%d" % KVPoll.Failed, text]])
-        wait_for(lambda: mgr.dropped_messages.count == 2, "both dropped")
-    finally:
-        decode.close()
-    mgr.waiting_timeout = 0
-    assert receiver._check_waiting_timeout() == KVPoll.Failed
+    messages = [status_message(ROOM, KVPoll.Failed, 1, b"", text), [b"%d" % ROOM, b"%d" % KVPoll.Failed, text]]
+    receiver, _, _ = drop_then_time_out(mgr, lambda: messages, "both dropped")
     reason = mgr.failure_records[ROOM]
     assert "CALL" not in reason and "SUPPORT" not in reason, reason
     assert f"from prefill rank <{len(text)} B {text[:8].hex()}...>: prefill rank of 25 bytes" in reason, reason
