@@ -260,6 +260,24 @@ def _move_fake_kv_receiver(monkeypatch):
     monkeypatch.delattr(importlib.import_module("sglang.srt.disaggregation.fake.conn"), "FakeKVReceiver")
 
 
+def _change_staging_rsp_layout(monkeypatch):
+    """SGLang's staging reply moves a field, which the prefill's bootstrap screen parses where
+    SGLang's handler did."""
+    from sglang.srt.disaggregation.common import staging_handler
+
+    def handle_staging_rsp(msg_parts, transfer_infos):
+        return None
+
+    monkeypatch.setattr(staging_handler, "handle_staging_rsp", handle_staging_rsp)
+
+
+def _drop_transfer_info_from_zmq(monkeypatch):
+    """SGLang's `TransferInfo.from_zmq`, the parser the bootstrap screen runs first, is gone."""
+    from sglang.srt.disaggregation.mooncake.conn import TransferInfo
+
+    monkeypatch.delattr(TransferInfo, "from_zmq")
+
+
 # (fault, the hook the refusal must name, what it must say)
 FAULTS = [
     (_rename_target, SPEC_HOOK, "its target no longer resolves"),
@@ -282,6 +300,11 @@ FAULTS = [
      "longer set by SGLang's class"),
     (_move_fake_kv_receiver, "disaggregation.decode:allocate_grouped_by_owner",
      "relies on SGLang's `sglang.srt.disaggregation.fake.conn.FakeKVReceiver` (class), which no longer resolves"),
+    (_change_staging_rsp_layout, "disaggregation.utils:get_kv_class",
+     "the copied `sglang.srt.disaggregation.common.staging_handler.handle_staging_rsp`'s"),
+    (_drop_transfer_info_from_zmq, "disaggregation.utils:get_kv_class",
+     "relies on SGLang's `sglang.srt.disaggregation.mooncake.conn.TransferInfo.from_zmq` (method), which is no "
+     "longer defined"),
     (_make_slots_a_method, POOL_HOOK, f"`{POOL}._slots` (attribute), which is now a method"),
     (_break_hook_import, "layers.cp.utils:cp_gather_after_forward", "its hook does not import"),
 ]  # fmt: skip

@@ -5,7 +5,7 @@ hooks (BEFORE / AFTER / AROUND), which SGLang's `load_plugins()` then applies, a
 RESOLUTION steps (`register_resolution_hook`). SGLang's `HookRegistry.apply_hooks()` only logs a
 target it cannot patch and carries on, so `check_patch_points()` fails closed: with the flag,
 start-up refuses, naming the hook, when a hook does not import or SGLang refused it, a target (or
-an SGLang method a hook's subclass overrides, or an SGLang function whose math the plugin copies)
+an SGLang method a hook's subclass overrides, or an SGLang function whose math or parsing the plugin copies)
 no longer resolves or changed signature or body (`fingerprint`), an SGLang name (private or not)
 a hook or an override reads is gone or changed kind, or a hook is not installed. The launcher checks during argument
 resolution, on a prefill and on a decode (the flag there is the decode's opt-in), and each of
@@ -46,7 +46,7 @@ class PatchPoint:
     signature: `fingerprint()` of the target in SGLang `RECORDED_FOR`. why: one line.
     upstream: the upstream SGLang change that would remove the patch. overrides: the SGLang methods
     that the subclass the hook installs (the classes a hook answers or adopts) overrides,
-    each with its fingerprint, checked like the target's. copies: SGLang functions whose math the
+    each with its fingerprint, checked like the target's. copies: SGLang functions whose math or parsing the
     plugin's code reproduces (the fused fp8 store: SGLang's quantizer), fingerprinted the same way.
     relies_on: the SGLang names (private or
     not) those overrides and the hook read on SGLang's objects, each `Class.name` with its kind
@@ -61,7 +61,7 @@ class PatchPoint:
     why: str
     upstream: str
     overrides: tuple[tuple[str, str], ...] = ()  # (SGLang method, fingerprint) a hook's subclass overrides
-    copies: tuple[tuple[str, str], ...] = ()  # (SGLang function, fingerprint) whose math the plugin's code copies
+    copies: tuple[tuple[str, str], ...] = ()  # (SGLang function, fingerprint) whose math or parsing the plugin copies
     relies_on: tuple[tuple[str, str], ...] = ()  # (SGLang `Class.name`, its kind) the plugin reads
 
     def __post_init__(self):
@@ -180,6 +180,11 @@ LEDGER: tuple[PatchPoint, ...] = (
                    (f"{_MOONCAKE}.MooncakeKVReceiver._check_waiting_timeout", "f4ca892d9e9f:98aa350de03a"),
                    (f"{_MOONCAKE}.MooncakeKVReceiver._clear", "f4ca892d9e9f:76ebc71f62dd"),
                ),
+               # the prefill's bootstrap screen (`status_guard.bootstrap_message_problem`) parses what
+               # SGLang's bootstrap thread and its staging handlers parse, frame by frame
+               copies=((f"{_MOONCAKE}.MooncakeKVManager.start_prefill_thread", "f4ca892d9e9f:284e857907bc"),
+                       (f"{_S}disaggregation.common.staging_handler.handle_watermark_msg", "8f973009cad0:df49b7f6fe4e"),
+                       (f"{_S}disaggregation.common.staging_handler.handle_staging_rsp", "6a91cce4b2f3:c48cb9c8eab6")),
                relies_on=(*_names(f"{_MOONCAKE}.MooncakeKVManager", _PD_MANAGER_NAMES),
                           *_names(f"{_MOONCAKE}.MooncakeKVSender", "bootstrap_room curr_idx kv_mgr num_kv_indices"),
                           *_names(f"{_MOONCAKE}.MooncakeKVReceiver", _PD_RECEIVER_NAMES),
@@ -187,6 +192,8 @@ LEDGER: tuple[PatchPoint, ...] = (
                                   "kv_data_lens kv_item_lens state_types"),
                           *_names(f"{_MOONCAKE}.TransferInfo", "dst_kv_indices dst_port dst_state_indices endpoint "
                                   "is_dummy room"),
+                          (f"{_MOONCAKE}.TransferInfo.from_zmq", "method"),
+                          (f"{_MOONCAKE}.KVArgsRegisterInfo.from_zmq", "method"),
                           *_names(f"{_COMMON}.PrefillServerInfo", _PREFILL_INFO_NAMES),
                           *_names(f"{_COMMON}.DeferredAbortAckState", "generation"))),
     PatchPoint(f"{_COMMON}.get_zmq_socket_on_host", "AROUND", "disaggregation.common.conn:limit_status_frames",
@@ -400,7 +407,7 @@ def _name_problem(name: str, kind: str) -> str | None:
     except (OSError, TypeError) as err:  # an install without SGLang's .py sources
         return f"cannot be checked: SGLang's source of {cls.__qualname__} is not readable ({err})"
     static = inspect.getattr_static(cls, attr, None)
-    is_method = inspect.isfunction(static)
+    is_method = inspect.isfunction(static) or isinstance(static, (classmethod, staticmethod))
     if kind == "method":
         if is_method:
             return None
@@ -505,7 +512,7 @@ def markdown_table() -> str:
             lines.append(f"- through `{p.target}`: {methods or 'no override'}")
             if p.copies:
                 copied = ", ".join(f"`{m.rsplit('.', 1)[-1]}`" for m, _ in p.copies)
-                lines.append(f"  - SGLang functions whose math the plugin copies, fingerprinted: {copied}")
+                lines.append(f"  - SGLang functions whose math or parsing the plugin copies, fingerprinted: {copied}")
             if p.relies_on:
                 names = ", ".join(f"`{'.'.join(n.rsplit('.', 2)[-2:])}` ({kind})" for n, kind in p.relies_on)
                 lines.append(f"  - SGLang names the plugin reads there, checked for kind: {names}")
