@@ -26,7 +26,6 @@ import json
 import logging
 import multiprocessing
 import os
-import platform
 import statistics
 import sys
 import time
@@ -37,6 +36,10 @@ from unittest import mock
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "test"))
 sys.path.insert(0, str(REPO / "python"))
+
+from provenance import provenance  # noqa: E402  (benchmark/, this script's folder)
+
+MODEL = "no model: SGLang 0.5.23's Mooncake decode thread and the plugin's status guard on ZMQ sockets (127.0.0.1)"
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tables import format_table  # noqa: E402
@@ -313,13 +316,6 @@ def nonce_map(rooms: int) -> dict:
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------
-def machine() -> dict:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    names = [line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")]
-    return dict(cpu=names[0] if names else platform.machine(), cores=os.cpu_count(), python=platform.python_version(),
-                load_1_5_15_at_start=[round(x, 2) for x in os.getloadavg()])  # fmt: skip
-
-
 def table(r: dict) -> str:
     d, c, one, q, n = r["drop_cost"], r["commit_latency"], r["one_large_message"], r["queued_per_connection"], r["nonce_map"]  # fmt: skip
     rows = [["measurement", "guard on main", "before issue 41 / SGLang's own"]]
@@ -362,12 +358,15 @@ def main() -> None:
     if args.only:
         path = args.out / "bench_status_guard.json"
         result = json.loads(path.read_text())
-        result["stalled_decode"] = stalled_decode(stall_most, limit) | {"machine": machine(), "most": stall_most}
+        result["stalled_decode"] = stalled_decode(stall_most, limit) | {
+            "provenance": provenance(MODEL),
+            "most": stall_most,
+        }
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result["stalled_decode"], indent=2))
         return
     started = time.monotonic()
-    result = dict(machine=machine(), params=params, quick=quick, status_frame_limit_bytes=limit)
+    result = dict(provenance=provenance(MODEL), params=params, quick=quick, status_frame_limit_bytes=limit)
     # the processes fork before any zmq context or decode thread of this process exists
     result["one_large_message"] = one_large_message(params["large_frames"], MIB, limit)
     result["queued_per_connection"] = queued_per_connection(params["queue_frames"], MIB, limit, params["queue_most"])
@@ -379,13 +378,14 @@ def main() -> None:
         "junk_before_fix": commit_latency(params["commit_trials"], params["junk_peers"], before_fix=True),
     }
     result["nonce_map"] = nonce_map(params["nonce_rooms"])
-    result["machine"]["load_1_5_15_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    result["load_1_5_15_at_end"] = [round(x, 2) for x in os.getloadavg()]
     result["seconds"] = round(time.monotonic() - started, 1)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_status_guard.json").write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
-    print(f"{result['machine']['cpu']}, {result['machine']['cores']} cores, load {result['machine']['load_1_5_15_at_start']} -> "
-          f"{result['machine']['load_1_5_15_at_end']}, {result['seconds']} s; raw: {args.out / 'bench_status_guard.json'}")  # fmt: skip
+    m = result["provenance"]["machine"]
+    print(f"{m['cpu']}, {m['cores']} cores, load {m['load_1_5_15']} -> {result['load_1_5_15_at_end']}, "
+          f"{result['seconds']} s; raw: {args.out / 'bench_status_guard.json'}")  # fmt: skip
 
 
 if __name__ == "__main__":
