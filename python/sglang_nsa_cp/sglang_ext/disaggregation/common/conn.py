@@ -10,9 +10,8 @@ so setting them later does nothing):
 - ZMQ_RCVHWM = STATUS_RCVHWM instead of SGLang's 0 (unlimited): each connection queues at most
   that many whole messages here; a sender past it waits. A prefill's status socket (SGLang's
   PUSH, ZMQ's default SNDHWM of 1,000) drops a status after waiting 30 s, so the limit is set
-  far above what a genuine decode falls behind by: with 64 a prefill rank got only 8,500 keyed
-  Successes out to a decode that stopped reading (`benchmark/bench_status_guard.py`, "stalled
-  decode"), with 65,536 it got 36,500 out (ZMQ's effective limit is below the set one).
+  far above what a genuine decode falls behind by (64 held a prefill's statuses back: measured in
+  docs/disagg.md, "Size limits", `benchmark/bench_status_guard.py`'s stalled decode).
 What neither bounds: the frames of one message (ZMQ has no such limit), so one message is
 received whole, at up to MAXMSGSIZE a frame, before the guard sees it (docs/disagg.md, "Size
 limits"). Every other call passes through.
