@@ -12,8 +12,8 @@ SGLang's own `PageInterleaveDSATokenToKVPool` (fp8 KV, one layer, the chunk's pl
 - fused: `kernels.store_mla_fp8_owned_and_scratch`'s Triton kernel into the pool's scratch slot
   and shard, as the plugin's `set_mla_kv_buffer` calls it;
 - sglang: SGLang's `set_mla_kv_buffer` on that pool (`quantize_k_cache_separate` for the
-  scratch, again for the owned rows, and its Triton row stores: its JIT row store is not built
-  on the GPU machine, as in the GPU forward harness);
+  scratch, again for the owned rows, and its row stores: the JIT TMA store SGLang runs on SM90
+  where it builds, else its Triton fallback; the results file's `sglang_row_store` says which);
 - copy: a device-to-device copy whose reads plus writes equal the bytes the fused store reads plus
   writes (it copies half of them: a copy of N bytes moves 2N).
 Both writes give the same bytes (checked first, from poisoned scratch and shard). A time is the
@@ -88,11 +88,6 @@ def sglang_pool(tokens: int, n: int, device: torch.device):
     # (SGLang's row stores skip destination row 0, CUDA-graph padding).
     spec = PageShardSpec(0, n, PAGE, max_prefix_tokens=n * PAGE, chunk_tokens=pages * PAGE)
     group = SimpleNamespace(world_size=n, rank_in_group=0, cpu_group=None, device=device)
-    import sglang.kernels.ops.kvcache.set_mla_kv_buffer as set_mla
-
-    # SGLang's JIT row store is not built on the GPU machine (a failed build is retried every call):
-    # its Triton store runs, as in the GPU forward harness (docs/sglang_gpu_forward.md, row 8).
-    set_mla.can_use_set_mla_kv_buffer = lambda *a: False
     page_interleave_pool.PyNcclCommunicator = _NoGather
     os.environ["SGLANG_ENABLE_KV_SHARD_ZERO_SM_GATHER"] = "0"  # an NCCL window; no NCCL here
     get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False)  # no server here
@@ -245,13 +240,27 @@ def print_table(rows: list[dict]) -> None:
         print(f"geometric mean, launch {shape[0]}:{shape[1]}: {geo:.3f} of copy")
 
 
+def sglang_row_store() -> str:
+    """Which row store SGLang's pool write runs here: its JIT TMA bulk store (what it runs on SM90,
+    built by its JIT on first use) or, where that does not build, its Triton fallback."""
+    from sglang.kernels.ops.kvcache.set_mla_kv_buffer import can_use_set_mla_kv_buffer
+    from sglang.kernels.jit.utils import is_arch_support_pdl
+
+    nope_bytes, rope_bytes = ROW_BYTES - 64 * 2, 64 * 2  # the fp8 pool's quantized parts, as SGLang splits them
+    if is_arch_support_pdl() and can_use_set_mla_kv_buffer(nope_bytes, rope_bytes):
+        return "jit"
+    return "triton fallback (SGLang's JIT row store did not build here; its warning is in the log)"
+
+
 def machine() -> dict:
-    """The results file's provenance (commit, dirty flag, machine, command) and the kernel's launch shape."""
+    """The results file's provenance (commit, dirty flag, machine, command), the kernel's launch
+    shape and which row store SGLang's write runs."""
     from sglang_nsa_cp.kernels import mla_fp8_owned_and_scratch as fused
 
     model = {"rows": "FlashMLA fp8 rows (656 B) and index K + scale (132 B) per token; no model layers"}
     stand_ins = ["sgl_kernel's op library (cannot load on the GPU machine): test/helpers/gpu_stand_ins.py"]
-    return {**provenance(model, stand_ins), "default_launch_shape": [fused.FP8_ROWS_PER_PROGRAM, fused.FP8_NUM_WARPS]}
+    return {**provenance(model, stand_ins), "default_launch_shape": [fused.FP8_ROWS_PER_PROGRAM, fused.FP8_NUM_WARPS],
+            "sglang_row_store": sglang_row_store()}  # fmt: skip
 
 
 def dry_run(tokens: list[int], cp_sizes: list[int], shapes: list[tuple[int, int]] | None) -> None:
