@@ -3,8 +3,8 @@
 
 Each variable is read when used, with `.get()`; truth-testing the variable itself raises, so a
 forgotten `.get()` cannot pass for "set". Tests change one with `.override(value)`.
-README.md's table of variables is `python -m sglang_nsa_cp.envs` (test/test_envs.py keeps them
-equal).
+docs/deploy.md's table of variables is `python -m sglang_nsa_cp.envs` (test/test_envs.py keeps
+them equal).
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ envs = NsaCpEnvs()
 
 
 def markdown_table() -> str:
-    """The table of variables README.md carries."""
+    """The table of variables docs/deploy.md carries."""
     lines = ["| Variable | Type | Default | Meaning |", "|---|---|---|---|"]
     for var in envs.all():
         default = "unset" if var.default is None else f"`{var.unparse(var.default)}`"
