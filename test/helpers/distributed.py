@@ -1,7 +1,11 @@
-"""The one local rank launcher of the tests and benchmarks (STYLE.md item 9): `run_ranks` calls the same
+"""The one local rank launcher of the tests and benchmarks: `run_ranks` calls the same
 `fn(rank, world_size, group, *args)` on N spawned processes joined by a torch.distributed group,
 and never hangs. `RankPool` keeps those processes alive across calls, for a test module that
 runs many short calls (spawning a rank and importing torch costs seconds; a call, milliseconds).
+On CPU (Triton's interpreter, gloo or no group) a rank is forked from a server process that
+imported torch and SGLang once (FORKSERVER_PRELOAD), under the parent's environment at the call;
+its output goes where the test process's went when that server started, so a failure is read from
+its traceback and stack file, as on any rank.
 
     parent ── spawn ──> rank 0 ─┐   each rank: init the group once, then run every call it gets
            ── spawn ──> rank 1 ─┼─ results queue: ("ok", result) or ("error", traceback)
@@ -40,6 +44,17 @@ import torch.multiprocessing as mp
 
 POLL_S = 0.2
 STACK_DUMP_WAIT_S = 2.0  # how long a signalled rank gets to write its stacks
+
+# CPU ranks (Triton's interpreter, gloo or no group) fork from one server process per test process
+# that imported torch and SGLang once: a spawned rank imports them again, about 9 CPU-s on the 2-core
+# machine, most of a short test. CUDA ranks are spawned (CUDA must not be set up before a fork).
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "sglang.srt.model_executor.model_runner",
+                      "sglang.srt.models.deepseek_v2", "sglang.srt.mem_cache.page_interleave_pool",
+                      "sglang.srt.disaggregation.mooncake.conn"]  # fmt: skip
+# What torch and SGLang read while those modules are imported (the CPU stand-ins' settings): the
+# server imports them under these values, and a rank asked to run under others is refused.
+FORKSERVER_ENV = {"TRITON_INTERPRET": "1", "TORCHDYNAMO_DISABLE": "1", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",
+                  "SGLANG_DSA_FUSE_TOPK": "0", "OMP_NUM_THREADS": "1"}  # fmt: skip
 
 
 class RankFailure(RuntimeError):
@@ -87,7 +102,30 @@ def on_gpu_zero(rank: int):
             os.environ["NCCL_HOSTID"] = saved
 
 
-def _worker(rank, world_size, port, backend, timeout_s, stack_path, calls, results):
+def uses_forkserver(backend: str | None) -> bool:
+    return backend != "nccl" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _context(backend: str | None):
+    if not uses_forkserver(backend):
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return ctx
+
+
+def _forked_env_problem(env: dict[str, str]) -> str | None:
+    """Why a rank forked from the server cannot run under `env` (the parent's environment), if it
+    cannot: a variable the preloaded modules read at import differs from the server's."""
+    differ = {k: (os.environ.get(k), env.get(k)) for k in FORKSERVER_ENV if os.environ.get(k) != env.get(k)}
+    if differ:
+        return (f"the rank's environment differs from the one torch and SGLang were preloaded under "
+                f"(variable: (preloaded, asked)): {differ}; set FORKSERVER_ENV in test/helpers/distributed.py "
+                f"or run the rank with backend='nccl' or TRITON_INTERPRET unset (spawned ranks)")  # fmt: skip
+    return None
+
+
+def _worker(rank, world_size, port, backend, timeout_s, stack_path, calls, results, env):
     # Kept open for the process's life: faulthandler writes to its descriptor on a crash
     # (SIGSEGV, SIGABRT, ...) and on SIGUSR1, which the parent sends past the deadline.
     stack_file = open(stack_path, "w")  # noqa: SIM115
@@ -95,6 +133,11 @@ def _worker(rank, world_size, port, backend, timeout_s, stack_path, calls, resul
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     call_id = None
     try:
+        if uses_forkserver(backend):  # forked from the server: its environment, not the parent's
+            if problem := _forked_env_problem(env):
+                raise RuntimeError(problem)
+            os.environ.clear()
+            os.environ.update(env)
         torch.set_num_threads(1)
         group = None
         if backend is not None:
@@ -128,18 +171,25 @@ def _worker(rank, world_size, port, backend, timeout_s, stack_path, calls, resul
     os._exit(0)
 
 
-def _start(procs) -> None:
-    """Start the ranks with OMP_NUM_THREADS=1 (N ranks share this machine's cores)."""
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
+def _rank_env(backend: str | None) -> dict[str, str]:
+    """The environment the ranks run under: this process's, OMP_NUM_THREADS=1 (N ranks share the
+    machine's cores); forked ranks also under the stand-ins' settings the server was preloaded with
+    (FORKSERVER_ENV) where this process does not set them."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return {**FORKSERVER_ENV, **env} if uses_forkserver(backend) else env
+
+
+def _start(procs, env: dict[str, str]) -> None:
+    """Start the ranks under `env` (a spawned rank, and the fork server when it starts, inherit
+    this process's environment at start)."""
+    saved = dict(os.environ)
+    os.environ.update(env)
     try:
         for p in procs:
             p.start()
     finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def _dump_stacks(procs, ranks: list[int], stack_paths: list[Path]) -> dict[int, str]:
@@ -193,7 +243,7 @@ class RankPool:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size, self.backend, self.timeout_s = world_size, backend, timeout_s
-        self._ctx = mp.get_context("spawn")
+        self._ctx = _context(backend)
         self._call_ids = itertools.count()
         self._procs: list = []
         self._tmp = None
@@ -214,15 +264,16 @@ class RankPool:
 
     def _respawn(self, ranks) -> None:
         """Start `ranks` afresh (new call queues), sharing the pool's results queue."""
+        env = _rank_env(self.backend)
         for r in ranks:
             self._calls[r] = self._ctx.Queue()
             worker_args = (r, self.world_size, self._port, self.backend, self.timeout_s)
             self._procs[r] = self._ctx.Process(
                 target=_worker,
-                args=(*worker_args, str(self._stack_paths[r]), self._calls[r], self._results),
+                args=(*worker_args, str(self._stack_paths[r]), self._calls[r], self._results, env),
                 daemon=True,
             )
-        _start([self._procs[r] for r in ranks])
+        _start([self._procs[r] for r in ranks], env)
 
     def _recover(self, outcomes: dict) -> None:
         """After a failed call: restart only the ranks whose call did not succeed, when the ranks

@@ -7,7 +7,8 @@ test-only plugin; with HiCache on it also stands in for the `sgl_kernel.kvcachei
 - hicache_shared:     PD prefill, CP=2 interleave, the flag, HiCache, a device pool of a few pages;
 - hicache_replicated: the same without the flag (replicated CP, every rank a full copy), the same
   logical device capacity;
-- decode:             PD decode, CP off, for both (the flag runs only on a PD prefill).
+- decode:             PD decode, CP off, for both (the flag runs only on a PD prefill); the PD
+  file's decode, started once for both (helpers/shared_servers.py).
 Prompt A, then other prompts that push A's pages out of each prefill's device pool (HiCache keeps
 them on host), then A again: each prefill serves the second A from host (its log and the
 prefill's `cached_tokens_details`), and its greedy tokens equal the first A's and the other prefill's.
@@ -36,11 +37,12 @@ PROMPT_A = S.prompt_ids(4 * S.PAGE + 20, seed=41)  # 4 full pages: what the radi
 OTHERS = [S.prompt_ids(4 * S.PAGE + 20, seed=42 + i) for i in range(S.HICACHE_DEVICE_TOKENS // (4 * S.PAGE) + 1)]
 
 
+SHARED_SERVER_ROLES = (*PREFILLS, "decode")  # the decode is the PD file's (helpers/shared_servers.py)
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    cluster = S.Cluster(tmp_path_factory.mktemp("sglang_hicache_cpu"), roles=(*PREFILLS, "decode"), router=False)
-    with cluster.running():
-        yield cluster
+def cluster(shared_servers):
+    return shared_servers
 
 
 def _logged_ints(server, pattern, mark=0):

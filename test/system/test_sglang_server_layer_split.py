@@ -6,6 +6,7 @@ Servers (test/helpers/sglang_servers.py, docs/sglang_cpu_server.md):
 - layer_split: PD prefill, CP=2 interleave, `--enable-dsa-cache-layer-split` (each rank keeps its
                layers' KV; the owner broadcasts a layer's whole buffer into the others' scratch);
 - decode:      PD decode serving both; single: the oracle.
+shared, decode and single are the PD file's servers, started once for both (helpers/shared_servers.py).
 Both prefills get `--max-total-tokens 512` per rank (the demo's pool). Every scheduler counts its
 collectives per forward (test/helpers/collective_counter.py), and the bytes are compared with
 benchmark/traffic.py's formulas for that forward.
@@ -27,6 +28,7 @@ import requests  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from helpers import collective_counter as C  # noqa: E402
+from helpers import demo  # noqa: E402
 from helpers import sglang_servers as S  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
@@ -35,7 +37,7 @@ import traffic  # noqa: E402
 register_cpu_ci(est_time=400, suite="nsa-cp-test-cpu")
 
 NEW_TOKENS = 6
-RANK_TOKENS = 512  # --max-total-tokens of both prefills: the demo's PREFILL_RANK_TOKENS
+RANK_TOKENS = demo.PREFILL_RANK_TOKENS  # --max-total-tokens of both prefills (512)
 LONG_PROMPT = 640  # > one rank's pool, < the shared N x 512 and the context (1024)
 PREFILLS = ("shared", "layer_split")
 ARM = {"shared": "shared", "layer_split": "layer_split"}  # benchmark/traffic.py's arm of each prefill
@@ -49,16 +51,21 @@ SITES = {
 REFUSAL = re.compile(r"Input length \((\d+) tokens\) exceeds the maximum allowed length \((\d+) tokens\)")
 
 
+# the shared prefill, decode and oracle are the PD file's (helpers/shared_servers.py: the demo's
+# PREFILL_RANK_TOKENS rows a rank, layer split's the same), every server's collectives counted
+SHARED_SERVER_ROLES = ("shared", "layer_split", "decode", "single")
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("sglang_layer_split_cpu")
-    per_rank = ["--max-total-tokens", str(RANK_TOKENS)]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(S.SERVER_ENV, C.ENV, str(workdir / "collectives"))
-        cluster = S.Cluster(workdir, roles=(*PREFILLS, "decode", "single"), router=False,
-                            extra_args={name: per_rank for name in PREFILLS})  # fmt: skip
-        with cluster.running(timeout_s=420) as running:
-            yield running
+def cluster(shared_servers):
+    return shared_servers
+
+
+@pytest.fixture(scope="module")
+def forwards_before(cluster) -> dict[str, list[int]]:
+    """Per prefill and CP rank, the extend forwards counted before this file's requests (the
+    servers may have served other files' first)."""
+    return {prefill: [len(f) for f in _all_forwards(cluster, prefill)] for prefill in PREFILLS}
 
 
 def _pd(cluster, prefill: str, ids: list[int]) -> list[int]:
@@ -73,11 +80,16 @@ def _oracle(cluster, ids):
     return S.generate(cluster.servers["single"].url, ids, NEW_TOKENS)["output_ids"]
 
 
-def _forwards(cluster, prefill: str) -> list[list[dict]]:
-    """Per CP rank, the extend forwards the prefill's scheduler counted."""
+def _all_forwards(cluster, prefill: str) -> list[list[dict]]:
+    """Per CP rank, every extend forward the prefill's scheduler counted."""
     reports = C.read_reports(cluster.workdir / "collectives", cluster.servers[prefill].ports[0])
     assert [r["attn_cp_rank"] for r in reports] == list(range(S.CP)), f"{prefill}: reports {reports}"
     return [[f for f in r["forwards"] if f.get("mode") == "EXTEND"] for r in reports]
+
+
+def _forwards(cluster, prefill: str, before: list[int]) -> list[list[dict]]:
+    """Per CP rank, the extend forwards counted since `before` (forwards_before's counts)."""
+    return [forwards[n:] for forwards, n in zip(_all_forwards(cluster, prefill), before)]
 
 
 CHUNK_ROW_BYTES = traffic.CHUNK_LATENT_BYTES + traffic.CHUNK_INDEX_KEY_BYTES
@@ -102,7 +114,7 @@ def test_capacity_and_kv_bytes_per_rank(cluster):
 
 
 @pytest.mark.parametrize("prefill", PREFILLS)
-def test_tokens_equal_the_oracle(cluster, prefill):
+def test_tokens_equal_the_oracle(cluster, prefill, forwards_before):
     """One page, a prompt of 3 chunks, and a radix hit of 2 pages, one after the other."""
     shared_prefix = S.prompt_ids(133, seed=7)
     cases = {"one page": S.prompt_ids(40, seed=1), "3 chunks": S.prompt_ids(296, seed=2),
@@ -117,12 +129,12 @@ def test_tokens_equal_the_oracle(cluster, prefill):
 
 
 @pytest.mark.parametrize("prefill", PREFILLS)
-def test_counted_bytes_per_forward_equal_the_formula(cluster, prefill):
+def test_counted_bytes_per_forward_equal_the_formula(cluster, prefill, forwards_before):
     """Every extend forward the prefill ran (test_tokens_equal_the_oracle's requests), on every CP
     rank: the bytes its collectives moved, by site, against benchmark/traffic.py's terms for that
     forward's batch (new and cached tokens per request, the pool's rows). traffic.py's bus bytes are
     (N-1)/N of an all-gather's output, the counter counts the output: compared as output bytes."""
-    forwards = _forwards(cluster, prefill)
+    forwards = _forwards(cluster, prefill, forwards_before[prefill])
     assert forwards[0] and len(forwards[0]) == len(forwards[1]), [len(f) for f in forwards]
     layers, ring = S.MODEL["num_hidden_layers"], (S.CP - 1) / S.CP
     seen_history, tails = 0, []

@@ -12,12 +12,12 @@ stand-ins from a test-only plugin, docs/sglang_cpu_server.md):
 - SGLang's router (sglang-router, PD mode) in front of shared + decode; the replicated prefill is
   reached the router's way by the client (bootstrap fields to prefill and decode at once).
 Greedy tokens through the router must equal the single server's and the replicated PD's. The tests
-run in order and share the servers; the last one kills a CP rank of the shared prefill.
+run in order and share the servers with the layer-split and HiCache files (helpers/shared_servers.py:
+one start for all); the last one kills a CP rank of the shared prefill, after every other test on them.
 
 The servers are the demo's (`bash scripts/demo.sh`, test/helpers/demo.py: `demo.cluster_options`,
 each prefill rank's pool PREFILL_RANK_TOKENS rows), and the demo's own requests and reports run on
-them (`demo.exercise`) with test_demo.py's assertions: the demo's CI case, so CI starts one cluster
-for both.
+them (`demo.exercise`) with test_demo.py's assertions: the demo's CI case, on the same servers.
 """
 
 from __future__ import annotations
@@ -47,10 +47,6 @@ register_cpu_ci(est_time=345, suite="nsa-cp-test-cpu")
 NEW_TOKENS = 6
 
 
-# The decode counts SGLANG_DISAGGREGATION_WAITING_TIMEOUT from the moment it pre-allocates a room
-# until the prefill's last chunk lands; with several long prompts at once the prefill works through
-# them in turn, and on a loaded machine the last room waited past the default 120 s (load 20).
-ENV = {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "600"}
 # What a failed or stuck transfer leaves in a log after start-up: SGLang's prefill transfer worker
 # and decode receiver (KVTransferError, "Failed to send kv chunk / aux data ...", "Session ...
 # failed"), its timeouts, and Mooncake's own complaints (any glog error line "E<mmdd> ...", its TCP
@@ -60,17 +56,14 @@ TRANSFER_FAILURE = (r"(?i)KVTransferError|Failed to send|Session \S+ failed|tran
 
 
 DEMO_ARGS = demo.parse_args([])  # `bash scripts/demo.sh`'s defaults: CP=2, bf16, no HiCache
+# the demo's servers (helpers/shared_servers.py starts them with the demo's options, once for every
+# system test file that uses them) and SGLang's router in front of shared + decode
+SHARED_SERVER_ROLES = ("shared", "replicated", "decode", "single", "router")
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        for key, value in ENV.items():
-            patch.setitem(S.SERVER_ENV, key, value)
-        workdir = tmp_path_factory.mktemp("sglang_pd_cpu")
-        start_s = demo.START_S_PER_RANK * 2 * DEMO_ARGS.cp + 300  # the demo's start-up limit
-        with S.Cluster(workdir, **demo.cluster_options(DEMO_ARGS)).running(timeout_s=start_s) as cluster:
-            yield cluster
+def cluster(shared_servers):
+    return shared_servers
 
 
 def _three_paths(cluster, ids):
@@ -326,6 +319,7 @@ def test_client_abort_mid_prefill_frees_everything(cluster):
     _assert_same("request after the abort", *_three_paths(cluster, ids))
 
 
+@pytest.mark.stops_shared_servers
 def test_killed_cp_rank_fails_the_request_and_the_prefill_exits(cluster):
     """SIGKILL CP rank 1 of the shared prefill while a chunked request is being prefilled: the
     client gets an error (no tokens), the decode frees what it had received and keeps serving,
