@@ -11,7 +11,7 @@ from sglang_nsa_cp.envs import envs, markdown_table
 
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=5, suite="nsa-cp-test-cpu-unit")
+register_cpu_ci(est_time=10, suite="nsa-cp-test-cpu-unit")
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = re.compile(r"SGLANG_NSA_CP_[A-Z0-9_]*[A-Z0-9]")

@@ -12,7 +12,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 import sglang_nsa_cp
 
-register_cpu_ci(est_time=25, suite="nsa-cp-test-cpu-unit")
+register_cpu_ci(est_time=10, suite="nsa-cp-test-cpu-unit")
 
 # Top-level modules and packages of sglang_nsa_cp (sglang_ext/ is the plugin: all of it belongs).
 ALLOWED = {

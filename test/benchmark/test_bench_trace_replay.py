@@ -15,7 +15,7 @@ import textwrap
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=60, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=30, suite="nsa-cp-test-cpu")
 
 ROOT = pathlib.Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT / "benchmark"))

@@ -12,7 +12,7 @@ import sys
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=300, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=115, suite="nsa-cp-test-cpu")
 
 ROOT = pathlib.Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT / "benchmark"))

@@ -12,7 +12,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from helpers.distributed import run_ranks
 from sglang_nsa_cp.comm import all_gather_rows, collectives, gather_last_token_hidden, plan_tail
 
-register_cpu_ci(est_time=60, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=15, suite="nsa-cp-test-cpu")
 
 HIDDEN = 8
 

@@ -24,7 +24,7 @@ from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 from helpers.sglang_cp_reference import sglang_split  # noqa: E402
 from sglang_nsa_cp.comm import plan_tail  # noqa: E402
 
-register_cpu_ci(est_time=15, suite="nsa-cp-test-cpu-unit")
+register_cpu_ci(est_time=10, suite="nsa-cp-test-cpu-unit")
 
 EDGE_BATCHES = [
     ([37, 20], 4),

@@ -14,7 +14,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang_nsa_cp.disagg import PageClaims, auth, check_coverage
 from sglang_nsa_cp.disagg.manifest import MAX_CP_SIZE, MAX_TEXT, cut
 
-register_cpu_ci(est_time=2, suite="nsa-cp-test-cpu-unit")
+register_cpu_ci(est_time=10, suite="nsa-cp-test-cpu-unit")
 
 SECRET = b"test-disagg-secret-0123456789abcdef"
 

@@ -22,7 +22,7 @@ from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 from helpers import collective_counter as C  # noqa: E402
 from helpers.distributed import run_ranks  # noqa: E402
 
-register_cpu_ci(est_time=60, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=15, suite="nsa-cp-test-cpu")
 
 ROWS, ROW = 65, 576  # a layer buffer of one page + 1 row, bf16 latent rows
 

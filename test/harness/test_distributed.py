@@ -12,7 +12,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 from helpers.distributed import RankFailure, RankPool, run_ranks
 
-register_cpu_ci(est_time=150, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=65, suite="nsa-cp-test-cpu")
 
 
 def _fail_on_rank_one(rank, world, group):

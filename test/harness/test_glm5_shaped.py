@@ -12,7 +12,7 @@ import sys
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=60, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=10, suite="nsa-cp-test-cpu")
 
 GLM5_CARD = "benchmark/data/models/glm5_fp8.json"
 H200_GIB = 139.0

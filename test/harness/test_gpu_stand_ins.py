@@ -10,7 +10,7 @@ import textwrap
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=20, suite="nsa-cp-test-cpu-unit")
+register_cpu_ci(est_time=15, suite="nsa-cp-test-cpu-unit")
 
 TEST_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # holds helpers/
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=12, suite="nsa-cp-test-cpu-unit")
+register_cpu_ci(est_time=10, suite="nsa-cp-test-cpu-unit")
 
 
 def _arg(args: list[str], flag: str) -> str:

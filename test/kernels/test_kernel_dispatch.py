@@ -14,7 +14,7 @@ from sglang_nsa_cp.kernels import mla_fp8_owned_and_scratch as op
 from sglang_nsa_cp.kernels.checks import KernelUnsupported
 from sglang_nsa_cp.kernels.triton_common import TritonError
 
-register_cpu_ci(est_time=5, suite="nsa-cp-test-cpu-unit")
+register_cpu_ci(est_time=10, suite="nsa-cp-test-cpu-unit")
 
 OP = "store_mla_fp8_owned_and_scratch"
 ARGS = (torch.zeros(2, 656, dtype=torch.uint8), torch.arange(2), torch.zeros(2, 656, dtype=torch.uint8),

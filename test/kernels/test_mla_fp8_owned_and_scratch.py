@@ -24,7 +24,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
-register_cpu_ci(est_time=60, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=50, suite="nsa-cp-test-cpu")
 
 triton = pytest.importorskip("triton")
 pytestmark = [

@@ -12,7 +12,7 @@ import sys
 import pytest
 from sglang.test.ci.ci_register import collect_tests, register_cpu_ci
 
-register_cpu_ci(est_time=100, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=20, suite="nsa-cp-test-cpu")
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "scripts", "run_suite.py")

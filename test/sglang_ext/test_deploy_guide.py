@@ -21,7 +21,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 from helpers.resolution import GLM5, V32, write_config
 
-register_cpu_ci(est_time=30, suite="nsa-cp-test-cpu-unit")
+register_cpu_ci(est_time=15, suite="nsa-cp-test-cpu-unit")
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
 FLAG = "--enable-nsa-prefill-cp-shared-kv"

@@ -44,7 +44,7 @@ from sglang_nsa_cp.sglang_ext.ledger import (  # noqa: E402
     markdown_table,
 )
 
-register_cpu_ci(est_time=35, suite="nsa-cp-test-cpu-unit")
+register_cpu_ci(est_time=20, suite="nsa-cp-test-cpu-unit")
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAG = "--enable-nsa-prefill-cp-shared-kv"

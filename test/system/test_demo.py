@@ -40,7 +40,7 @@ from helpers import demo  # noqa: E402
 from helpers.demo_checks import assert_demo_run  # noqa: E402
 from helpers import sglang_servers as S  # noqa: E402
 
-register_cpu_ci(est_time=30, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=15, suite="nsa-cp-test-cpu")
 
 BY_HAND = pytest.mark.skipif(
     os.environ.get("NSA_CP_DEMO_ALL") != "1", reason="by hand: NSA_CP_DEMO_ALL=1 (minutes of start-up on 2 cores)"

@@ -29,7 +29,7 @@ from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from helpers import sglang_servers as S  # noqa: E402
 
-register_cpu_ci(est_time=180, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=80, suite="nsa-cp-test-cpu")
 
 NEW_TOKENS = 6
 PREFILLS = ("fp8_shared", "fp8_replicated")

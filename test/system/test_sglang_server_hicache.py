@@ -28,7 +28,7 @@ from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from helpers import sglang_servers as S  # noqa: E402
 
-register_cpu_ci(est_time=200, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=130, suite="nsa-cp-test-cpu")
 
 NEW_TOKENS = 6
 PREFILLS = ("hicache_shared", "hicache_replicated")

@@ -34,7 +34,7 @@ from helpers import sglang_servers as S  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
 import traffic  # noqa: E402
 
-register_cpu_ci(est_time=400, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=135, suite="nsa-cp-test-cpu")
 
 NEW_TOKENS = 6
 RANK_TOKENS = demo.PREFILL_RANK_TOKENS  # --max-total-tokens of both prefills (512)

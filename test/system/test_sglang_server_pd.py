@@ -42,7 +42,7 @@ from helpers import sglang_servers as S  # noqa: E402
 from helpers.demo_checks import assert_demo_run  # noqa: E402
 from helpers.listeners import is_wildcard, listening_sockets  # noqa: E402
 
-register_cpu_ci(est_time=345, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=225, suite="nsa-cp-test-cpu")
 
 NEW_TOKENS = 6
 

@@ -38,7 +38,7 @@ from helpers import sglang_servers as S  # noqa: E402
 from helpers import sglang_spec_model as M  # noqa: E402
 from helpers import sglang_spec_stand_ins  # noqa: E402
 
-register_cpu_ci(est_time=480, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=115, suite="nsa-cp-test-cpu")
 
 NEW_TOKENS = 12
 # EAGLE as the GPU check runs it (top-k 1, the draft's torch top-k), and no CUDA graphs for the draft

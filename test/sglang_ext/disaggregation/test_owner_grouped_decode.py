@@ -28,7 +28,7 @@ from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 from helpers import sglang_model_harness as H  # noqa: E402
 from helpers.distributed import run_ranks  # noqa: E402
 
-register_cpu_ci(est_time=85, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=20, suite="nsa-cp-test-cpu")
 
 PAGE = H.PAGE
 PROMPTS = {0: 446, 1: 200}  # request 0's third decode step opens a fresh page

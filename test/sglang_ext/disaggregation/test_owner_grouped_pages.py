@@ -32,7 +32,7 @@ from sglang_nsa_cp.sglang_ext.disaggregation.owner_grouped_pages import (  # noq
     regroup_token_slots,
 )
 
-register_cpu_ci(est_time=60, suite="nsa-cp-test-cpu-unit")
+register_cpu_ci(est_time=15, suite="nsa-cp-test-cpu-unit")
 
 PAGE = 64
 

@@ -62,7 +62,7 @@ from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 
 from helpers.distributed import free_port, run_ranks  # noqa: E402
 
-register_cpu_ci(est_time=150, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=40, suite="nsa-cp-test-cpu")
 
 CP = 2
 PAGE, LAYERS = pd.PAGE, pd.LAYERS

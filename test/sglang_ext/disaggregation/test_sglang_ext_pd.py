@@ -65,7 +65,7 @@ from sglang.test.ci.ci_register import register_cpu_ci  # noqa: E402
 from helpers import sglang_pd_harness as PD  # noqa: E402
 from helpers.status_guard_decode import NOW, idle_manager  # noqa: E402
 
-register_cpu_ci(est_time=120, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=35, suite="nsa-cp-test-cpu")
 
 
 def test_four_ranks_send_owned_pages_and_faults_fail_cleanly():

@@ -67,7 +67,7 @@ from helpers.status_guard_decode import (  # noqa: E402
     wait_for,
 )
 
-register_cpu_ci(est_time=120, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=35, suite="nsa-cp-test-cpu")
 
 
 class Case(NamedTuple):

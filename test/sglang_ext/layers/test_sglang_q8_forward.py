@@ -34,7 +34,7 @@ from helpers import sglang_model_harness as H  # noqa: E402
 from helpers.baseline_cache import cached_run_ranks  # noqa: E402
 from helpers.distributed import run_ranks  # noqa: E402
 
-register_cpu_ci(est_time=400, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=25, suite="nsa-cp-test-cpu")
 
 Q8 = "flashmla_sparse_q8"
 PLUGIN_POOL = "sglang_nsa_cp.sglang_ext.mem_cache.page_interleave_pool"

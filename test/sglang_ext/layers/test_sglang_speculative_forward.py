@@ -44,7 +44,7 @@ from helpers import sglang_model_harness as H  # noqa: E402
 from helpers.baseline_cache import cached_run_ranks  # noqa: E402
 from helpers.distributed import run_ranks  # noqa: E402
 
-register_cpu_ci(est_time=120, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=25, suite="nsa-cp-test-cpu")
 
 RUNS = (("off", 1), ("replicated", 2), ("sharded", 2))
 COMPARED = ("target_logits", "target_hidden", "draft_logits", "draft_topk", "draft_hidden")

@@ -35,7 +35,7 @@ from helpers import sglang_model_harness as H  # noqa: E402
 from helpers.baseline_cache import cached_run_ranks  # noqa: E402
 from helpers.distributed import run_ranks  # noqa: E402
 
-register_cpu_ci(est_time=330, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=50, suite="nsa-cp-test-cpu")
 
 PLUGIN_POOL = "sglang_nsa_cp.sglang_ext.mem_cache.page_interleave_pool"
 # (run name, checkpoint, mode, ranks, --kv-cache-dtype, plugin loaded)

@@ -31,7 +31,7 @@ from helpers import sglang_model_harness as H  # noqa: E402
 from helpers.distributed import run_ranks  # noqa: E402
 from helpers.sglang_pool_writes import run_fp8_pool_writes  # noqa: E402
 
-register_cpu_ci(est_time=90, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=15, suite="nsa-cp-test-cpu")
 
 SGLANG_POOL = "sglang.srt.mem_cache.page_interleave_pool.PageInterleaveDSATokenToKVPool"
 PLUGIN_POOL = "sglang_nsa_cp.sglang_ext.mem_cache.page_interleave_pool.PageInterleaveDSATokenToKVPool"

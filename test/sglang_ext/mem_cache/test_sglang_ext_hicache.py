@@ -38,7 +38,7 @@ from helpers import sglang_hicache_harness as HC  # noqa: E402
 from helpers import sglang_model_harness as H  # noqa: E402
 from helpers.distributed import run_ranks  # noqa: E402
 
-register_cpu_ci(est_time=50, suite="nsa-cp-test-cpu-unit")
+register_cpu_ci(est_time=15, suite="nsa-cp-test-cpu-unit")
 
 CASES = ((2, 5), (3, 7))  # (CP ranks, pages in the chain); chains start on owner 1 and wrap around
 PLUGIN_POOL = "sglang_nsa_cp.sglang_ext.mem_cache.page_interleave_pool"

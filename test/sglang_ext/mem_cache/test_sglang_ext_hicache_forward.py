@@ -56,7 +56,7 @@ from helpers import sglang_model_harness as H  # noqa: E402
 from helpers.baseline_cache import cached_run_ranks  # noqa: E402
 from helpers.distributed import run_ranks  # noqa: E402
 
-register_cpu_ci(est_time=170, suite="nsa-cp-test-cpu")
+register_cpu_ci(est_time=35, suite="nsa-cp-test-cpu")
 
 # run -> (mode, ranks)
 RUNS = {
