@@ -1,4 +1,4 @@
-"""CPU, ~20 s: the documents name only what exists, and docs/testing.md lists the test files as
+"""CPU: the documents name only what exists, and docs/testing.md lists the test files as
 they are registered.
 
 Every repository path README.md and docs/*.md name (under python/sglang_nsa_cp/, test/,

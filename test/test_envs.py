@@ -1,4 +1,4 @@
-"""The env-var registry (CPU, ~2 s): typed reads, overrides, and docs that list exactly the
+"""The env-var registry (CPU): typed reads, overrides, and docs that list exactly the
 registered variables."""
 
 import re

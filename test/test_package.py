@@ -1,6 +1,6 @@
 """The installed package holds what the SGLang plugin runs and nothing else: every module imports,
 none lies outside the allow-list, and importing the package, or the plugin's ledger, pulls in no
-torch, SGLang or Mooncake (CPU, ~20 s: importing every module imports SGLang)."""
+torch, SGLang or Mooncake (CPU: importing every module imports SGLang)."""
 
 import importlib
 import pkgutil

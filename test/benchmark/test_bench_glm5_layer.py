@@ -1,7 +1,7 @@
 """The GLM-5 layer benchmark (benchmark/bench_glm5_layer.py) and its loader (benchmark/layer_terms.py) on
 CPU: the toy run writes every part's points with provenance and stand-ins; the fit recovers known
 coefficients from a synthetic grid and keeps them non-negative; the loader refuses a missing file
-with the GPU command, and the docs block renders "not run yet" without it. CPU, ~30 s."""
+with the GPU command, and the docs block renders "not run yet" without it (CPU)."""
 
 import copy
 import importlib.util

@@ -1,6 +1,6 @@
 """The owned-page transfer's rules (disagg/): the commit rule names every problem, the manifest's
 wire types refuse absurd values before any code iterates them, and the MACs catch a wrong or
-missing secret (CPU, no process, ~2 s). The transfer itself runs inside SGLang's Mooncake manager:
+missing secret (CPU, no process). The transfer itself runs inside SGLang's Mooncake manager:
 test/sglang_ext/disaggregation/ and test/system/test_sglang_server_pd.py."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ TransferEngine started as SGLang starts it listens on every interface, whatever 
 the plugin's table of Mooncake settings that bind a listener (`disagg/listeners.py`, none today)
 is true: with every bind-sounding setting a listener is still on a wildcard address, so the flag's
 refusal stands; the installed Mooncake build is a row of `CHECKED_BUILDS` (CPU, three engine
-subprocesses, ~5 s; on a GPU node with its CUDA wheel the same file checks that wheel)."""
+subprocesses; on a GPU node with its CUDA wheel the same file checks that wheel)."""
 
 from __future__ import annotations
 

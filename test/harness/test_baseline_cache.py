@@ -1,4 +1,4 @@
-"""The forward baselines' cache (helpers/baseline_cache.py), CPU, ~10 s: a result is reused only for
+"""The forward baselines' cache (helpers/baseline_cache.py), CPU: a result is reused only for
 the same inputs; a changed argument, checkpoint byte, source file, steering variable or a file
 whose stored key is not its inputs' recomputes it, and `off` always recomputes."""
 

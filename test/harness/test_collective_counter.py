@@ -1,4 +1,4 @@
-"""CPU, ~35-90 s (2 spawned gloo ranks importing SGLang's distributed utils): the test-only collective counter (test/helpers/collective_counter.py) on 2 gloo ranks and in
+"""CPU (2 gloo ranks): the test-only collective counter (test/helpers/collective_counter.py) on 2 gloo ranks and in
 process: what it records per forward (op, bytes, group size, calling site), what it leaves out (a
 call inside a counted call, other threads' calls), that the wrapped collectives still move the data,
 and the per-rank JSON the servers write."""

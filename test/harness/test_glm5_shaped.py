@@ -1,4 +1,4 @@
-"""CPU, ~60 s: the glm5-shaped server check's set-up (test/helpers/glm5_shaped.py, helpers/
+"""CPU: the glm5-shaped server check's set-up (test/helpers/glm5_shaped.py, helpers/
 logprob_compare.py, `scripts/sglang_server_check.py --model glm5-shaped`), checked without a GPU
 and without starting a server: GLM-5's shapes, a checkpoint SGLang's config and loader take, pools
 that fit one H200, and a logprob comparison that catches a difference."""

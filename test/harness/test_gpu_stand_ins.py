@@ -1,4 +1,4 @@
-"""CPU, ~20 s (four interpreters importing torch): the GPU harness's import-time stand-ins (test/helpers/gpu_stand_ins.py) on a fake
+"""CPU (four interpreters importing torch): the GPU harness's import-time stand-ins (test/helpers/gpu_stand_ins.py) on a fake
 sgl_kernel package laid out like the real one (its load_utils.py loads the op library at import).
 Each case runs in a fresh interpreter: the stand-ins change sys.meta_path and torch.ops."""
 

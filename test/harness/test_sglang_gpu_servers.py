@@ -1,4 +1,4 @@
-"""CPU, ~5-12 s (the traffic comparison imports SGLang): the GPU server harness's set-up (test/helpers/sglang_gpu_servers.py and
+"""CPU (the traffic comparison imports SGLang): the GPU server harness's set-up (test/helpers/sglang_gpu_servers.py and
 sglang_gpu_server_stand_ins.py), checked without a GPU: what `scripts/gpu_run.sh server` runs
 on the H200 must compare like with like and put every rank on GPU 0 as its own NCCL host."""
 

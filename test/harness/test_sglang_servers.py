@@ -1,4 +1,4 @@
-"""CPU, ~10 s (importing SGLang): the live-server helpers' port picking (test/helpers/sglang_servers.py).
+"""CPU (importing SGLang): the live-server helpers' port picking (test/helpers/sglang_servers.py).
 
 A server binds its port a minute or more after the test picks it; meanwhile outgoing connections
 take ports from the kernel's ephemeral range. Ports are therefore picked below that range, free

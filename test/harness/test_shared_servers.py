@@ -1,4 +1,4 @@
-"""CPU, ~10 s (importing SGLang's server helpers): the plan of the system tests' shared cluster
+"""CPU (importing SGLang's server helpers): the plan of the system tests' shared cluster
 (test/helpers/shared_servers.py): one start for the union of the roles the collected files declare,
 stopped after its last user, a test that kills a server moved after every other user, and a file
 that uses the cluster without declaring its roles, or names a role that does not exist, refused

@@ -1,5 +1,5 @@
 """The kernels' dispatcher picks the implementation from the device and SGLANG_NSA_CP_KERNELS,
-falls back to the torch reference only for named reasons and raises everything else (CPU, ~5 s,
+falls back to the torch reference only for named reasons and raises everything else (CPU,
 no Triton launch: the op's kernel and reference are replaced by stand-ins that record or raise)."""
 
 import sys

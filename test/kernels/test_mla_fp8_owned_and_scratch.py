@@ -1,5 +1,5 @@
 """The fused fp8 store of SGLang's sharded DSA pool against SGLang's own quantizer, byte for byte
-(CPU under Triton's interpreter, ~60 s: SGLang's quantizer launches 5 programs per token there).
+(CPU under Triton's interpreter).
 
 Two comparisons, each for every rank of CP 1, 2, 3, 4, 8:
 - the Triton kernel against the bytes of `quantize_k_cache_separate`, placed by a per-token loop

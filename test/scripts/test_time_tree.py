@@ -1,6 +1,6 @@
 """scripts/time_tree.py counts the CPU time of every process a command starts, a grandchild that
 outlives its parent's wait included (as SGLang's schedulers outlive their killed launcher), which
-the command's own rusage (`/usr/bin/time`) misses. CPU, a few seconds."""
+the command's own rusage (`/usr/bin/time`) misses."""
 
 import importlib.util
 import os

@@ -1,4 +1,4 @@
-"""CPU, ~30 s: every command line of docs/deploy.md resolves as SGLang would start it.
+"""CPU: every command line of docs/deploy.md resolves as SGLang would start it.
 
 Each `python -m sglang.launch_server` line of the guide goes through SGLang 0.5.23's own argument
 resolution (`prepare_server_args`, `resolve_once`) with the plugin loaded, the GPU node stood in

@@ -1,4 +1,4 @@
-"""CPU, ~35 s: the patch ledger (sglang_ext/ledger.py) against the installed SGLang 0.5.23.
+"""CPU: the patch ledger (sglang_ext/ledger.py) against the installed SGLang 0.5.23.
 
 Every target resolves with its recorded signature and is patched after SGLang's `load_plugins()`
 (the plugin replaces no SGLang class: its pool subclass is adopted by a hook on SGLang's pool

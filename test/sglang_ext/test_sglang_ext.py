@@ -1,4 +1,4 @@
-"""CPU, ~40 s: the plugin's registration, the `--enable-nsa-prefill-cp-shared-kv` flag and its
+"""CPU: the plugin's registration, the `--enable-nsa-prefill-cp-shared-kv` flag and its
 start-up validation, inside SGLang 0.5.23 (sglang_ext/__init__.py, server_args.py,
 arg_groups/parallel_hook.py).
 

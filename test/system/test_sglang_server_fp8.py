@@ -1,4 +1,4 @@
-"""CPU, ~2-3.5 min (real servers, ~11 processes on 2 cores): an fp8 KV cache (`--kv-cache-dtype
+"""CPU (real servers, ~11 processes on 2 cores): an fp8 KV cache (`--kv-cache-dtype
 fp8_e4m3`, SGLang's FlashMLA rows of 656 bytes) with `--enable-nsa-prefill-cp-shared-kv` on a PD
 prefill, under SGLang's own scheduler, over HTTP.
 

@@ -1,4 +1,4 @@
-"""CPU, ~2.5-3.5 min (real servers, ~12 processes on 2 cores): HiCache (`--enable-hierarchical-cache`,
+"""CPU (real servers, ~12 processes on 2 cores): HiCache (`--enable-hierarchical-cache`,
 host tier) on a PD prefill with `--enable-nsa-prefill-cp-shared-kv`, under SGLang's own scheduler,
 over HTTP.
 

@@ -1,4 +1,4 @@
-"""CPU, ~5-7 min (real servers, ~14 processes on 2 cores): SGLang's own layer split (`--enable-dsa-cache-layer-split`) beside the
+"""CPU (real servers, ~14 processes on 2 cores): SGLang's own layer split (`--enable-dsa-cache-layer-split`) beside the
 flag, in SGLang's real servers, at the same KV rows per rank, with every forward's collectives counted.
 
 Servers (test/helpers/sglang_servers.py, docs/sglang_cpu_server.md):

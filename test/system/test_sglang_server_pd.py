@@ -1,4 +1,4 @@
-"""CPU, ~6 min (real servers, ~15 processes on 2 cores, both busy: ~690 s of CPU): `python -m sglang.launch_server` with
+"""CPU (real servers, ~15 processes on 2 cores): `python -m sglang.launch_server` with
 `--enable-nsa-prefill-cp-shared-kv` on a PD prefill, over HTTP, checked against oracle servers,
 three multi-chunk prompts at once through SGLang's Mooncake manager among them.
 

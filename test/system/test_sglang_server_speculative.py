@@ -1,4 +1,4 @@
-"""CPU, ~8 min (real servers, 6 scheduler processes on 2 cores; start-up ~4 min): speculative decoding
+"""CPU (real servers, 6 scheduler processes on 2 cores): speculative decoding
 (EAGLE over GLM-5's NextN / MTP layer) through PD with `--enable-nsa-prefill-cp-shared-kv`, on
 SGLang 0.5.23's real servers, checked against a non-speculative oracle.
 

@@ -1,4 +1,4 @@
-"""CPU, ~85 s here (one spawned rank importing SGLang, a 646-token prefill in the Triton
+"""CPU (one rank, a 646-token prefill in the Triton
 interpreter): the owner-grouped page order the decode writes into req_to_token
 (sglang_ext/disaggregation/decode.py) is invisible to SGLang's decode.
 

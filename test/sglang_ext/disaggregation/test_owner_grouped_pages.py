@@ -1,4 +1,4 @@
-"""CPU, ~60 s here (mostly importing SGLang on 2 loaded cores; the checks take seconds): the
+"""CPU (in process): the
 decode allocates a shared-KV request's pages grouped by prefill owner
 (sglang_ext/disaggregation/owner_grouped_pages.py, decode.py), so each prefill CP rank writes one
 run per layer and kind.

@@ -1,4 +1,4 @@
-"""CPU, ~2.5 min (three runs of 4 processes, each importing SGLang, on 2 cores; 145 s idle): long prompts at once
+"""CPU (three runs of 4 processes): long prompts at once
 through SGLang 0.5.23's Mooncake PD transfer with the plugin's owned pages (issue #32), thousands
 of pages per room, in the owned-page PD harness (`helpers/sglang_pd_harness.py`): its prefill CP ranks (SGLang's sharded
 pool filled with a byte pattern of (page, layer, kind), the KV manager from SGLang's own

@@ -1,4 +1,4 @@
-"""CPU, ~4-6 min (runs of 5, 4, 4 and 4 processes, each importing SGLang, on 2 cores): the
+"""CPU (runs of 5, 4, 4 and 4 processes): the
 owned-page PD transfer inside SGLang 0.5.23's Mooncake disaggregation (sglang_ext/disaggregation/),
 with bf16 and fp8 KV, and with an MTP draft pool.
 

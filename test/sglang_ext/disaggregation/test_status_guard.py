@@ -1,4 +1,4 @@
-"""CPU, ~1-2 min (one PD run of 3 processes, each importing SGLang; the rest in process, seconds):
+"""CPU (one PD run of 3 processes; the rest in process):
 the guard on a decode's status socket (sglang_ext/disaggregation/status_guard.py).
 
 SGLang 0.5.23's decode thread trusts every message on that socket: an AUX_DATA with an aux index

@@ -1,4 +1,4 @@
-"""CPU, ~6 min (four spawns of 2 gloo ranks): `--dsa-prefill-backend flashmla_sparse_q8`, SGLang
+"""CPU (four spawns of 2 gloo ranks): `--dsa-prefill-backend flashmla_sparse_q8`, SGLang
 0.5.23's SM90 fp8 prefill (q and KV cast to e4m3 per call), through SGLang's own DSA forward over
 its page-interleaved pool with the plugin's subclass (the tiny DeepSeek-V3.2 of
 sglang_model_harness.py, the batches of test_page_interleave_pool.py: new requests, a second

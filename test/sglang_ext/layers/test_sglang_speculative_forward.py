@@ -1,4 +1,4 @@
-"""CPU, ~1-3 min (three spawns of 1 or 2 gloo ranks): the PD prefill's speculative step with
+"""CPU (three spawns of 1 or 2 gloo ranks): the PD prefill's speculative step with
 SGLang 0.5.23's own GLM-5 DSA model and its own NextN (MTP) draft, under SGLang's KV sharding
 (what the plugin's flag turns on) and without it.
 

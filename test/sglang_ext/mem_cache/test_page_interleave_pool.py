@@ -1,4 +1,4 @@
-"""CPU, ~4-6 min (spawns of 1 to 4 gloo ranks): SGLang 0.5.23's own page-interleaved DSA pool
+"""CPU (spawns of 1 to 4 gloo ranks): SGLang 0.5.23's own page-interleaved DSA pool
 (`PageInterleaveDSATokenToKVPool`, what `--enable-kv-cache-sharding` builds) on the Hopper path
 the flag targets (`--dsa-prefill-backend flashmla_sparse`, bf16 and fp8 KV), with the plugin's
 subclass and scratch sizing (`sglang_ext/mem_cache/page_interleave_pool.py`, `page_interleave.py`).

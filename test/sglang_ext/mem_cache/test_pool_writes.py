@@ -1,4 +1,4 @@
-"""CPU, ~90 s (two gloo ranks): the plugin's pool subclass against SGLang's own class on one fp8
+"""CPU (two gloo ranks): the plugin's pool subclass against SGLang's own class on one fp8
 batch without cached history (sglang_ext/mem_cache/page_interleave_pool.py).
 
 Each CP rank of 2 builds SGLang's `PageInterleaveDSATokenToKVPool` twice, handed out through the

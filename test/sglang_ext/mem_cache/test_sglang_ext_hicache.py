@@ -1,4 +1,4 @@
-"""CPU, ~45 s (one spawned process): SGLang 0.5.23's HiCache host tier under its own KV
+"""CPU (one spawned process): SGLang 0.5.23's HiCache host tier under its own KV
 sharding (what the plugin's flag turns on), over the plugin's subclass of its sharded DSA pool.
 
 What runs is SGLang's own code (see sglang_hicache_harness.py for the list and the two stand-ins

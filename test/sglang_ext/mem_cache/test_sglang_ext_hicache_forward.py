@@ -1,4 +1,4 @@
-"""CPU, ~2-6 min (five spawns of 1, 2 or 3 gloo ranks): SGLang 0.5.23's DSA model forward over a
+"""CPU (five spawns of 1, 2 or 3 gloo ranks): SGLang 0.5.23's DSA model forward over a
 prefix that HiCache evicted to host and loaded back, under SGLang's own KV sharding (what the
 plugin's flag turns on, with --enable-hierarchical-cache): the plugin's subclass of its sharded
 DSA pool, its owner-classed allocator and its sharded host tier.
