@@ -108,12 +108,13 @@ def run(n: int, workdir: Path, progress=print, contrast: bool = False) -> dict:
     requests = scaled_requests(str(ROOT / "benchmark" / "data" / "mooncake_conversation_trace.jsonl.gz"), n)
     if contrast:  # the pools' nominal sizes; the result's sims use the capacities the servers report
         requests = contrast_requests(requests, RANK_TOKENS, S.CP * RANK_TOKENS)
-    # a loaded 2-core machine takes minutes per request: PD failure detection relaxed to match
-    S.SERVER_ENV.update(SGLANG_DISAGGREGATION_WAITING_TIMEOUT="1800", SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE="30")
     for name in PREFILLS:  # the helper's prefills with a smaller pool (a later argument wins)
         args, bootstrap = S.ROLES[name.removeprefix("val_")]
         S.ROLES[name] = (args + ["--max-total-tokens", str(RANK_TOKENS)], bootstrap)
-    cluster = S.Cluster(workdir, roles=(*PREFILLS, "decode"), router=False)
+    # a loaded 2-core machine takes minutes per request: PD failure detection relaxed to match (these
+    # servers only: the variables are the cluster's, not SERVER_ENV's, which later clusters start from)
+    relaxed = {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "1800", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "30"}
+    cluster = S.Cluster(workdir, roles=(*PREFILLS, "decode"), router=False, env=relaxed)
     real = {name: [] for name in PREFILLS}
     with cluster.running(timeout_s=900):
         progress(f"servers up in {cluster.startup_s:.0f} s")

@@ -164,7 +164,7 @@ class GpuCluster(S.Cluster):
         env = S.server_env(S.write_plugin_site(str(self.workdir / "plugin_site"), PLUGIN_ENTRY_POINT))
         for key in CPU_ONLY_ENV:
             env.pop(key, None)
-        return env | GPU_ENV | ({SPEC_ENV: "1"} if self.spec.speculative else {})
+        return env | GPU_ENV | ({SPEC_ENV: "1"} if self.spec.speculative else {}) | self.env
 
     def role(self, name: str) -> tuple[list[str], bool]:
         return roles(self.cp, self.spec)[name]

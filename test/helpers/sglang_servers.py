@@ -467,13 +467,15 @@ class Cluster:
 
     `cp`: the CP size of the CP roles (their --tp and --attn-cp-size; the checkpoint is
     `model_for_tp(cp)`). `extra_args`: role name -> launch arguments appended to that role's
-    (later arguments win: a `--max-total-tokens` here overrides the role's and server_command's)."""
+    (later arguments win: a `--max-total-tokens` here overrides the role's and server_command's).
+    `env`: variables set for every server of this cluster, over SERVER_ENV's."""
 
     workdir: Path
     roles: tuple[str, ...] = ("shared", "replicated", "decode", "single")
     router: bool = True
     cp: int = CP
     extra_args: dict[str, list[str]] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
     servers: dict[str, Server] = field(default_factory=dict)
     procs: list[Proc] = field(default_factory=list)
     model: str = ""
@@ -500,7 +502,7 @@ class Cluster:
     def server_env(self) -> dict:
         env = server_env(write_plugin_site(str(self.workdir / "plugin_site")))
         env["SGLANG_CPU_OMP_THREADS_BIND"] = omp_threads_bind(self.cp)
-        return env
+        return env | self.env
 
     def role(self, name: str) -> tuple[list[str], bool]:
         role_args, needs_bootstrap = ROLES[name]

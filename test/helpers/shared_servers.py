@@ -85,19 +85,15 @@ class SharedServers:
         if self.cluster is None:
             if self.plan.router and not {"shared", "decode"} <= set(self.plan.roles):
                 raise RuntimeError("the router needs the shared and decode roles in the plan")
-            saved = dict(S.SERVER_ENV)
-            S.SERVER_ENV.update(ENV, **{C.ENV: str(workdir / "collectives")})
             cluster = S.Cluster(workdir, roles=self.plan.roles, router=self.plan.router,
-                                extra_args={r: a for r, a in EXTRA_ARGS.items() if r in self.plan.roles})  # fmt: skip
+                                extra_args={r: a for r, a in EXTRA_ARGS.items() if r in self.plan.roles},
+                                env={**ENV, C.ENV: str(workdir / "collectives")})  # fmt: skip
             t0 = time.monotonic()
             try:
                 cluster.start(timeout_s=START_S_PER_SERVER * len(self.plan.roles) + 300)
             except BaseException:
                 cluster.stop()
                 raise
-            finally:
-                S.SERVER_ENV.clear()
-                S.SERVER_ENV.update(saved)
             cluster.startup_s = time.monotonic() - t0
             self.cluster = cluster
         return self.cluster

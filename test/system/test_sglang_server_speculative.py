@@ -58,15 +58,12 @@ class SpecCluster(S.Cluster):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        for key, value in ENV.items():
-            patch.setitem(S.SERVER_ENV, key, value)
-        workdir = tmp_path_factory.mktemp("sglang_spec_cpu")
-        (workdir / "dump").mkdir()
-        patch.setitem(S.SERVER_ENV, sglang_spec_stand_ins.DUMP_ENV, str(workdir / "dump"))
-        extra = {role: SPEC_ARGS for role in GS.SPEC_ROLES}
-        with SpecCluster(workdir, router=False, extra_args=extra).running(timeout_s=600) as cluster:
-            yield cluster
+    workdir = tmp_path_factory.mktemp("sglang_spec_cpu")
+    (workdir / "dump").mkdir()
+    env = {**ENV, sglang_spec_stand_ins.DUMP_ENV: str(workdir / "dump")}
+    extra = {role: SPEC_ARGS for role in GS.SPEC_ROLES}
+    with SpecCluster(workdir, router=False, extra_args=extra, env=env).running(timeout_s=600) as cluster:
+        yield cluster
 
 
 ACCEPT_LENGTHS: list[float] = []  # every PD request's spec_accept_length, for the last test
